@@ -1,0 +1,40 @@
+"""ulfmtrain: fault-tolerant data-parallel PyTorch training on Open MPI ULFM.
+
+Names are imported on first use, so that `python -m ulfmtrain demo` and the
+data tools do not initialize MPI in a process that mpirun did not start.
+"""
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+try:
+    __version__ = version("ulfmtrain")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+_EXPORTS = {
+    "FTSGD": "optim", "DistributedOptimizer": "optim",
+    "FaultTolerantComm": "comm", "PlainComm": "comm", "RecoveryEvent": "comm",
+    "RolledForward": "comm", "FaultToleranceUnavailable": "comm", "require_fault_tolerance": "comm",
+    "Trainer": "trainer", "TrainConfig": "trainer",
+    "Kill": "faults", "parse_kill": "faults", "parse_kills": "faults", "KillSpecError": "faults",
+    "build_model": "models", "DigitsCNN": "models", "MLP": "models",
+    "ShardedDataset": "data", "DatasetError": "data", "digits_to_dataset": "data",
+    "arrays_to_dataset": "data", "synthetic_dataset": "data", "plan_recovery": "data",
+    "mpirun_command": "launch",
+}
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ulfmtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,6 @@
+"""`python -m ulfmtrain ...`"""
+import sys
+
+from .cli import main
+
+sys.exit(main())

