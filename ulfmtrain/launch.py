@@ -34,7 +34,9 @@ def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd += list(mpirun_args)
-    cmd += [sys.executable, "-m", "ulfmtrain", *argv]
+    # -P: a source checkout in the working directory must not shadow the
+    # installed package, which holds the compiled fault path.
+    cmd += [sys.executable, "-P", "-m", "ulfmtrain", *argv]
     return cmd
 
 

@@ -1,0 +1,58 @@
+"""Shared fixtures: a digits dataset, and running jobs under real mpirun --with-ft ulfm."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ulfmtrain.launch import mpirun_command
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# tests/mpi runs only inside mpirun (tests/test_mpi_suite.py starts it).
+collect_ignore_glob = [] if os.environ.get("ULFMTRAIN_IN_MPIRUN") else ["mpi/*"]
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ulfmtrain.data import digits_to_dataset
+
+    d = tmp_path_factory.mktemp("digits")
+    digits_to_dataset(d)
+    return d
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})}, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpirun did not finish within {timeout} s (a hung collective?): {' '.join(cmd)}\n"
+                    f"{exc.stdout}\n{exc.stderr}")
+
+
+def run_mpi(n: int, argv: list[str], timeout: float, *, ft: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m ulfmtrain ARGV` under mpirun; a hang fails the test."""
+    cmd = mpirun_command(n, argv)
+    if not ft:
+        i = cmd.index("--with-ft")
+        del cmd[i:i + 2]
+    return _run(cmd, timeout, env)
+
+
+def run_script(n: int, script: Path, args: list[str], timeout: float,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a Python script (not the CLI) on n ranks under mpirun --with-ft ulfm."""
+    cmd = mpirun_command(n, [])
+    cmd = cmd[: cmd.index(sys.executable)] + [sys.executable, "-P", str(script), *args]
+    return _run(cmd, timeout, env)
+
+
+@pytest.fixture
+def mpi():
+    """The helpers above, for tests (importlib mode keeps conftest out of reach of imports)."""
+    return type("Mpi", (), {"run": staticmethod(run_mpi), "script": staticmethod(run_script), "root": ROOT})
