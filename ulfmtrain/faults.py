@@ -64,13 +64,14 @@ def parse_kills(specs: Iterable[str], world_size: int | None = None) -> list[Kil
     if world_size is not None:
         for k in kills:
             if k.rank >= world_size:
-                raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of {world_size} ranks")
+                raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of "
+                                    f"{world_size} ranks; use RANK@STEP with RANK from 0 to {world_size - 1}")
         if len({k.rank for k in kills}) >= world_size:
-            raise KillSpecError(f"the kill schedule kills all {world_size} ranks: leave at least one survivor")
+            raise KillSpecError(f"the kill schedule kills all {world_size} ranks: drop one RANK@STEP so a survivor is left")
     ranks = [k.rank for k in kills]
     dup = {r for r in ranks if ranks.count(r) > 1}
     if dup:
-        raise KillSpecError(f"the kill schedule kills rank {min(dup)} twice: a rank can die only once")
+        raise KillSpecError(f"the kill schedule kills rank {min(dup)} twice: give each rank one RANK@STEP at most")
     return kills
 
 

@@ -1,0 +1,83 @@
+"""Bad input gets one clear line naming the problem and the fix; nothing already written is lost."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("ulfmtrain: error:")]
+
+
+@pytest.fixture
+def out_with_old_summary(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text('{"earlier": "run"}')
+    return out
+
+
+def assert_one_error(proc, *words):
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_corrupt_record_stops_every_rank(mpi, digits_dir, tmp_path, out_with_old_summary):
+    bad = tmp_path / "bad"
+    shutil.copytree(digits_dir, bad)
+    with open(bad / "train.ulfmds", "r+b") as f:     # flip a byte near the end: only the last rank's shard
+        f.seek(-100, 2)
+        b = f.read(1)
+        f.seek(-100, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    proc = mpi.run(2, ["train", "--data", str(bad), "--out", str(out_with_old_summary), "--no-progress"], 100)
+    assert_one_error(proc, "checksum", "record", "python -m ulfmtrain data")
+    assert (out_with_old_summary / "summary.json").read_text() == '{"earlier": "run"}'
+
+
+def test_truncated_dataset(mpi, digits_dir, tmp_path, out_with_old_summary):
+    bad = tmp_path / "bad"
+    shutil.copytree(digits_dir, bad)
+    with open(bad / "train.ulfmds", "r+b") as f:
+        f.truncate(5000)
+    proc = mpi.run(2, ["train", "--data", str(bad), "--out", str(out_with_old_summary), "--no-progress"], 100)
+    assert_one_error(proc, "truncated", "python -m ulfmtrain data")
+    assert (out_with_old_summary / "summary.json").read_text() == '{"earlier": "run"}'
+
+
+def test_missing_dataset(mpi, tmp_path):
+    proc = mpi.run(2, ["train", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")], 100)
+    assert_one_error(proc, "nowhere", "python -m ulfmtrain data digits")
+
+
+@pytest.mark.parametrize("spec,word", [("1@x", "bad kill spec"), ("1@5:sideways", "unknown phase"),
+                                       ("7@5", "does not exist"), ("1@5:backward=2", "fraction")])
+def test_bad_kill_spec(mpi, digits_dir, tmp_path, spec, word):
+    proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--kill", spec], 100)
+    assert_one_error(proc, word, "RANK@STEP")
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_fault_tolerance_not_enabled(mpi, digits_dir, tmp_path):
+    proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(tmp_path)], 100, ft=False)
+    assert_one_error(proc, "not enabled", "--with-ft ulfm")
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_data_info_on_corrupt_file(digits_dir, tmp_path):
+    bad = tmp_path / "test.ulfmds"
+    data = bytearray((digits_dir / "test.ulfmds").read_bytes())
+    data[20] ^= 0xFF                                # inside the JSON header
+    bad.write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-P", "-m", "ulfmtrain", "data", "info", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert_one_error(proc, "header")

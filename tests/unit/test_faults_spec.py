@@ -1,0 +1,77 @@
+"""Kill-spec parsing and the fault injector's bookkeeping (no MPI, no kills)."""
+import pytest
+
+from ulfmtrain.faults import FaultInjector, Kill, KillSpecError, parse_kill, parse_kills
+
+
+@pytest.mark.parametrize("spec,kill", [
+    ("1@300", Kill(1, 300, "forward")),
+    ("0@0:forward", Kill(0, 0, "forward")),
+    ("2@40:backward", Kill(2, 40, "backward", 0.5)),
+    ("2@40:backward=0.25", Kill(2, 40, "backward", 0.25)),
+    ("3@7:allreduce", Kill(3, 7, "allreduce")),
+    ("3@7:update", Kill(3, 7, "update")),
+    (" 1@9:recovery ", Kill(1, 9, "recovery")),
+])
+def test_parse_valid(spec, kill):
+    assert parse_kill(spec) == kill
+    assert parse_kill(str(kill)) == kill            # str() round-trips
+
+
+@pytest.mark.parametrize("spec,word", [
+    ("", "bad kill spec"), ("1", "bad kill spec"), ("a@1", "bad kill spec"), ("1@-2", "bad kill spec"),
+    ("1@2:sideways", "unknown phase"), ("1@2:update=0.5", "only the backward"),
+    ("1@2:backward=0", "fraction"), ("1@2:backward=1.5", "fraction"), ("1@2:backward=.", "fraction"),
+])
+def test_parse_invalid(spec, word):
+    with pytest.raises(KillSpecError, match=word) as exc:
+        parse_kill(spec)
+    assert "\n" not in str(exc.value) and "RANK@STEP" in str(exc.value)
+
+
+def test_schedule_checked_against_world():
+    assert [k.rank for k in parse_kills(["1@3", "2@3"], 4)] == [1, 2]
+    with pytest.raises(KillSpecError, match="does not exist"):
+        parse_kills(["4@1"], 4)
+    with pytest.raises(KillSpecError, match="kills all 2 ranks"):
+        parse_kills(["0@1", "1@5"], 2)
+    with pytest.raises(KillSpecError, match="twice"):
+        parse_kills(["1@1", "1@5"], 4)
+
+
+def test_injector_idle_for_other_ranks():
+    inj = FaultInjector(parse_kills(["1@3"], 4), world_rank=0)
+    assert not inj.active
+    for step in range(10):
+        for phase in ("forward", "allreduce", "update"):
+            inj.at(step, phase)             # must not kill rank 0
+    assert inj.watch_backward([], 3) == []
+
+
+def test_injector_dies_at_exactly_its_point(monkeypatch):
+    died = []
+    inj = FaultInjector(parse_kills(["1@3:update"], 4), world_rank=1, log=lambda ev, **kw: died.append((ev, kw)))
+    monkeypatch.setattr("ulfmtrain.faults.os.kill", lambda pid, sig: died.append(("signal", sig)))
+    assert inj.active
+    inj.at(3, "forward")
+    inj.at(2, "update")
+    assert died == []
+    inj.at(3, "update")
+    assert died[0][0] == "kill" and died[0][1]["spec"] == "1@3:update" and died[1][1] == 9
+
+
+def test_backward_hook_fires_at_fraction(monkeypatch):
+    import torch
+
+    fired = []
+    inj = FaultInjector(parse_kills(["0@5:backward=0.5"], 2), world_rank=0)
+    monkeypatch.setattr(FaultInjector, "_die", lambda self, kill: fired.append(len(seen)))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))   # 4 parameters
+    params = list(model.parameters())
+    seen = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p))
+    hooks = inj.watch_backward(params, 5)
+    assert len(hooks) == 4 and inj.watch_backward(params, 4) == []
+    model(torch.ones(1, 4)).sum().backward()
+    assert fired and fired[0] == 2   # fired when the 2nd of 4 gradients was ready

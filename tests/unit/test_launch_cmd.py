@@ -1,0 +1,34 @@
+"""The mpirun command line that `launch` builds."""
+import sys
+
+from ulfmtrain.launch import mpirun_command
+
+
+def test_fault_tolerance_always_on():
+    cmd = mpirun_command(2, ["train"], cores=8)
+    assert cmd[1:3] == ["--with-ft", "ulfm"] and cmd[3:5] == ["-np", "2"]
+    assert cmd[-5:] == [sys.executable, "-P", "-m", "ulfmtrain", "train"]
+    assert "--oversubscribe" not in cmd
+
+
+def test_oversubscribed_ranks_yield():
+    cmd = mpirun_command(8, ["train"], cores=2)
+    assert "--oversubscribe" in cmd
+    i = cmd.index("mpi_yield_when_idle")
+    assert cmd[i - 1] == "--mca" and cmd[i + 1] == "1"
+
+
+def test_hostfile_excludes_han():
+    cmd = mpirun_command(16, ["train"], hostfile="hosts", cores=2)
+    assert cmd[cmd.index("--hostfile") + 1] == "hosts"
+    assert cmd[cmd.index("coll") + 1] == "^han"
+    assert "--oversubscribe" not in cmd
+
+
+def test_root_and_extra_args(monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    cmd = mpirun_command(2, ["train"], mpirun_args=["--mca", "btl", "tcp,self"], cores=4)
+    assert "--allow-run-as-root" in cmd
+    assert cmd[cmd.index("btl") + 1] == "tcp,self"
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert "--allow-run-as-root" not in mpirun_command(2, ["train"], cores=4)
