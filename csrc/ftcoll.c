@@ -5,8 +5,10 @@
 #include "ftcoll.h"
 #include "ulfm_compat.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Shrink itself can meet a new failure; give up only after this many tries. */
@@ -265,4 +267,31 @@ int ftc_agree(int *flag, MPI_Comm *comm, int tag, ftc_report *rep)
 {
     struct agree_args a = { *flag, flag };
     return run_repairing(run_agree, &a, comm, tag, rep);
+}
+
+struct watchdog {
+    double timeout_s;
+    int exit_code;
+};
+
+static void *watchdog_main(void *p)
+{
+    struct watchdog *w = p;
+    struct timespec ts = { (time_t)w->timeout_s,
+                           (long)((w->timeout_s - (time_t)w->timeout_s) * 1e9) };
+    while (nanosleep(&ts, &ts) != 0)
+        ;
+    _exit(w->exit_code);
+    return NULL;
+}
+
+int ftc_finalize(double timeout_s, int exit_code)
+{
+    static struct watchdog w;
+    pthread_t thread;
+    w.timeout_s = timeout_s;
+    w.exit_code = exit_code;
+    if (pthread_create(&thread, NULL, watchdog_main, &w) == 0)
+        pthread_detach(thread);
+    return MPI_Finalize();
 }

@@ -61,6 +61,11 @@ int ftc_agree(int *flag, MPI_Comm *comm, int tag, ftc_report *report);
  * failure the caller met outside these functions (e.g. in a broadcast). */
 int ftc_recover(MPI_Comm *comm, int tag, ftc_report *report);
 
+/* MPI_Finalize, but _exit(exit_code) if it has not returned within
+ * timeout_s: after a failure it can hang (ompi #11404).  The watchdog is a
+ * C thread because the caller may hold a lock (Python's GIL) meanwhile. */
+int ftc_finalize(double timeout_s, int exit_code);
+
 /* Arm a kill inside the next recovery of this process (tests only). */
 void ftc_set_killpoint(int point);
 

@@ -35,4 +35,5 @@ cdef extern from "ftcoll.h" nogil:
                       int tag, ftc_report *report)
     int ftc_agree(int *flag, MPI_Comm *comm, int tag, ftc_report *report)
     int ftc_recover(MPI_Comm *comm, int tag, ftc_report *report)
+    int ftc_finalize(double timeout_s, int exit_code)
     void ftc_set_killpoint(int point)

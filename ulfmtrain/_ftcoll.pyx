@@ -97,6 +97,12 @@ def recover(MPI.Comm comm, int tag):
     return _finish(status, handle, &r)
 
 
+def finalize(double timeout, int exit_code):
+    """MPI_Finalize under a watchdog that _exits with exit_code after timeout seconds."""
+    with nogil:
+        ftc_finalize(timeout, exit_code)
+
+
 def set_killpoint(int point):
     """Arm a SIGKILL inside this process's next recovery (fault injection)."""
     ftc_set_killpoint(point)

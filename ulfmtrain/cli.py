@@ -1,11 +1,11 @@
-"""Command line: `python -m ulfmtrain {train,launch,demo,data}`."""
+"""Command line: `python -m ulfmtrain {train,launch,demo,data,supervise,compare}`."""
 from __future__ import annotations
 
 import argparse
 import math
 import os
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -35,11 +35,27 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reload", choices=("partial", "full"), default="partial",
                    help="after a failure read only my share of the lost records, or re-read my whole shard")
     p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP[:PHASE]",
-                   help="SIGKILL a rank (repeatable); PHASE: forward, backward[=FRAC], allreduce, update, recovery")
+                   help="SIGKILL a rank (repeatable); PHASE: forward, backward[=FRAC], allreduce, update, recovery, "
+                        "checkpoint (rank 0 only: half-way through writing that step's checkpoint)")
     p.add_argument("--out", default="ulfmtrain-out", help="directory for rank<N>.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--finalize-timeout", type=float, default=10.0,
+    p.add_argument("--finalize-timeout", type=float, default=5.0,
                    help="seconds MPI_Finalize may take before the rank exits anyway")
+    g = p.add_argument_group("recovery mode and checkpoints (see docs/recovery-modes.md)")
+    g.add_argument("--recovery", choices=("shrink", "restart", "reinit"), default="shrink",
+                   help="shrink: survivors train on (ULFM, default); restart: a failure ends the job and "
+                        "`ulfmtrain supervise` relaunches it from the latest checkpoint (plain MPI, no --with-ft); "
+                        "reinit: survivors spawn replacements and every rank rolls back to the checkpoint")
+    g.add_argument("--ckpt-dir", default=None, help="directory for atomic checkpoints (rank 0 writes)")
+    g.add_argument("--ckpt-every", type=int, default=0, metavar="K", help="checkpoint every K steps")
+    g.add_argument("--ckpt-epoch", action="store_true",
+                   help="checkpoint at every epoch end (the default when --ckpt-every is not given)")
+    g.add_argument("--ckpt-strategy", choices=("blocking", "overlapped"), default="blocking",
+                   help="blocking: ranks wait while rank 0 writes; overlapped: rank 0 snapshots and a "
+                        "background thread writes")
+    g.add_argument("--ckpt-inflight", type=int, default=2, help="overlapped writes in flight before training waits")
+    g.add_argument("--ckpt-keep", type=int, default=3, help="checkpoints kept on disk (at least 2)")
+    g.add_argument("--resume", action="store_true", help="start from the latest good checkpoint in --ckpt-dir")
 
 
 def _dataset_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
@@ -59,7 +75,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
-    from .comm import FaultTolerantComm, FaultToleranceUnavailable
+    from .checkpoint import CheckpointError, checkpointer_from_args
+    from .comm import FaultTolerantComm, FaultToleranceUnavailable, PlainComm
     from .data import DatasetError, ShardedDataset
     from .faults import KillSpecError, parse_kills
     from .models import build_model
@@ -69,12 +86,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     first = MPI.COMM_WORLD.Get_rank() == 0
     try:
         try:
-            comm = FaultTolerantComm()
-            kills = parse_kills(args.kill, MPI.COMM_WORLD.Get_size())
+            if args.recovery == "reinit":
+                from .reinit import join_world
+                comm = join_world()     # a replacement spawned by a rebuild joins its spawners here
+            elif args.recovery == "restart":
+                comm = PlainComm()      # classic: a failure ends the job, the supervisor relaunches it
+            else:
+                comm = FaultTolerantComm()
+            kills = parse_kills(args.kill, comm.size)
+            checkpointer_from_args(args)   # check the checkpoint flags before any rank trains
             train_path, test_path = _dataset_paths(args)
             with ShardedDataset(train_path) as ds:   # header, size and shape checks, same on every rank
                 inputs = math.prod(ds.fields[0][2])
                 classes = int(ds.meta.get("classes", 10))
+            torch.manual_seed(args.seed)   # the same --seed gives the same initial model
             model = build_model(args.model, inputs=inputs, classes=classes)
         except (FaultToleranceUnavailable, KillSpecError, DatasetError, UsageError, ValueError) as exc:
             # Every rank meets these alike: one of them says it.
@@ -83,20 +108,36 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from exc
         config = TrainConfig(epochs=args.epochs, batch=args.batch, lr=args.lr, momentum=args.momentum,
                              weight_decay=args.weight_decay, seed=args.seed, reload=args.reload,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, recovery=args.recovery)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        error = None
-        try:
-            trainer = Trainer(model, comm, train_path, test_path, config, kills, args.out)
-        except DatasetError as exc:   # e.g. a corrupt record in my shard only
-            error = exc
-        # Uniform: either every rank loaded its shard or all stop together,
-        # rather than the others "recovering" from the one that exited.
-        if not comm.agree(0 if error else 1):
-            if error:
-                raise error
-            raise _PeerFailed
-        summary = trainer.fit()
+
+        def build(comm, kills, resume: bool):
+            error = None
+            t_init, t0 = time.time(), time.perf_counter()
+            try:
+                trainer = Trainer(model, comm, train_path, test_path, config, kills, args.out,
+                                  checkpointer=checkpointer_from_args(args, resume))
+            except DatasetError as exc:   # e.g. a corrupt record in my shard only
+                error = exc
+            init_ms = (time.perf_counter() - t0) * 1e3
+            # Uniform: either every rank loaded its shard or all stop together,
+            # rather than the others "recovering" from the one that exited.
+            if not comm.agree(0 if error else 1):
+                if error:
+                    raise error
+                raise _PeerFailed
+            if args.recovery != "shrink":
+                # Reading the whole shard is the data reload of a restart: compare times it.
+                trainer.log("ready", t_init=t_init, init_ms=init_ms, load_ms=trainer.load_ms,
+                            bytes_read=trainer.train.bytes_read, recovery=args.recovery, world=comm.size)
+            return trainer
+
+        trainer = build(comm, kills, getattr(comm, "replacement", False))
+        if args.recovery == "reinit":
+            from .reinit import fit_with_reinit
+            summary = fit_with_reinit(trainer, build, kills)
+        else:
+            summary = trainer.fit()
         if comm.rank == 0:
             acc = summary["test_acc"]
             print(f"{PROG}: {summary['steps']} steps, world {summary['world_history']}, "
@@ -107,24 +148,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         if isinstance(exc, (DatasetError, UsageError)):
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
             return _finalize(2, args.finalize_timeout)
+        if isinstance(exc, CheckpointError):   # raised alike on every rank: rank 0 says it
+            if comm.rank == 0:
+                print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+            return _finalize(2, args.finalize_timeout)
         raise
     return _finalize(0, args.finalize_timeout)
 
 
 def _finalize(code: int, timeout: float) -> int:
     """MPI_Finalize after a failure can hang (ompi #11404): results are written, so bound it."""
-    from mpi4py import MPI
+    from . import _ftcoll
 
-    def bail() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-    timer = threading.Timer(timeout, bail)
-    timer.daemon = True
-    timer.start()
-    MPI.Finalize()
-    timer.cancel()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _ftcoll.finalize(timeout, code)
     return code
 
 
@@ -178,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="cnn")
     p.add_argument("--timeout", type=float, default=600.0)
 
+    from . import compare, supervise   # light imports: no MPI, no torch
+    supervise.add_arguments(sub.add_parser(
+        "supervise", help="checkpoint-restart: relaunch mpirun from the latest checkpoint after a failure"))
+    compare.add_arguments(sub.add_parser(
+        "compare", help="the same job under shrink, restart and reinit: lost time per failure, table, JSON, PNGs"))
+
     p = sub.add_parser("data", help="create or check a ulfmds dataset")
     dsub = p.add_subparsers(dest="kind", required=True)
     d = dsub.add_parser("digits", help="scikit-learn's handwritten digits -> DIR/train.ulfmds, DIR/test.ulfmds")
@@ -208,6 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
             return run_demo(args)
+        if args.command == "supervise":
+            from .supervise import main as supervise_main
+            return supervise_main(args)
+        if args.command == "compare":
+            from .compare import main as compare_main
+            return compare_main(args)
         return cmd_data(args)
     except (UsageError, DatasetError, KillSpecError, FileNotFoundError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

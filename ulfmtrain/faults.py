@@ -12,11 +12,12 @@ import signal
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-PHASES = ("forward", "backward", "allreduce", "update", "recovery")
+# "checkpoint": rank 0 dies half-way through writing the checkpoint of STEP (checkpoint.py calls it).
+PHASES = ("forward", "backward", "allreduce", "update", "recovery", "checkpoint")
 DEFAULT_BACKWARD_FRACTION = 0.5
 _SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?$")
 _HELP = ("expected RANK@STEP[:PHASE], PHASE one of forward, backward[=FRACTION], "
-         "allreduce, update, recovery (e.g. 1@300 or 2@40:backward=0.25)")
+         "allreduce, update, recovery, checkpoint (e.g. 1@300 or 2@40:backward=0.25)")
 
 
 class KillSpecError(ValueError):

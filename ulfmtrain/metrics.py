@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 class MetricsWriter:
     """Append one JSON object per line to OUT/rank<world rank>.jsonl.
@@ -42,7 +44,8 @@ def loss_curve(records: list[dict]) -> list[tuple[int, float]]:
 
 
 def plot_loss(curves: dict[str, list[tuple[int, float]]], path: str | Path,
-              kills: dict[str, list[int]] | None = None, title: str = "training loss") -> Path:
+              kills: dict[str, list[int]] | None = None, title: str = "training loss",
+              smooth: int = 20) -> Path:
     """Plot loss against step for several runs, marking kill steps."""
     import matplotlib
     matplotlib.use("Agg")
@@ -51,8 +54,12 @@ def plot_loss(curves: dict[str, list[tuple[int, float]]], path: str | Path,
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, pts in curves.items():
         if pts:
-            steps, losses = zip(*pts)
-            ax.plot(steps, losses, label=label, lw=1)
+            steps, losses = np.array(pts).T
+            # Per-batch losses are noisy: show them faintly under a moving average.
+            line, = ax.plot(steps, losses, lw=0.6, alpha=0.3)
+            w = min(smooth, len(losses))
+            ax.plot(steps[w - 1:], np.convolve(losses, np.ones(w) / w, mode="valid"),
+                    color=line.get_color(), lw=1.6, label=label)
     for label, steps in (kills or {}).items():
         for s in steps:
             ax.axvline(s, color="red", ls="--", lw=0.8)

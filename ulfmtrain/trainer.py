@@ -30,6 +30,8 @@ class TrainConfig:
     seed: int = 0
     reload: str = "partial"    # "partial": read only my share of the lost records; "full": re-read my whole shard
     progress: bool = True
+    recovery: str = "shrink"   # "shrink" (ULFM, go on with the survivors), "restart" (checkpoint-restart
+                               # under a supervisor) or "reinit" (global rollback inside the job)
 
 
 class _TrainingComplete(Exception):
@@ -52,12 +54,14 @@ class Trainer:
         kills: a kill schedule (see faults.py).
         out_dir: where rank<N>.jsonl and summary.json go.
         optimizer: a DistributedOptimizer over model; FTSGD by default.
+        checkpointer: a checkpoint.Checkpointer that saves at step boundaries
+            and may restore the state at the start of fit(); optional.
     """
 
     def __init__(self, model: torch.nn.Module, comm: Any, train_path: str | Path,
                  test_path: str | Path | None = None, config: TrainConfig | None = None,
                  kills: Iterable[Kill] = (), out_dir: str | Path | None = None,
-                 optimizer: DistributedOptimizer | None = None) -> None:
+                 optimizer: DistributedOptimizer | None = None, checkpointer: Any = None) -> None:
         self.cfg = cfg = config or TrainConfig()
         self.model, self.comm = model, comm
         self.out_dir = Path(out_dir) if out_dir else None
@@ -65,9 +69,11 @@ class Trainer:
         self.opt = optimizer or FTSGD(model.parameters(), comm, lr=cfg.lr, momentum=cfg.momentum,
                                       weight_decay=cfg.weight_decay, model=model)
         self.injector = FaultInjector(kills, comm.world_rank, self.log)
+        self.checkpointer = checkpointer
         if self.injector.active:
             self.opt.fault_point = self.injector.at
 
+        t_load = time.perf_counter()
         self.train = ShardedDataset(train_path)
         shards = initial_holdings(self.train.count, comm.size)
         self.holdings = {w: shards[i] for i, w in enumerate(comm.alive)}
@@ -76,6 +82,7 @@ class Trainer:
         if test_path is not None:
             with ShardedDataset(test_path) as ds:
                 self.test = ds.read(0, ds.count)
+        self.load_ms = (time.perf_counter() - t_load) * 1e3   # reading my whole shard (a restart's data reload)
 
         self.position = [0, 0]     # epoch, step within the epoch: the sampler position
         self.opt.register_extra_state("position", lambda: list(self.position), self._set_position)
@@ -141,6 +148,7 @@ class Trainer:
             self.holdings = plan.holdings
         event.extra.update(reload=self.cfg.reload, reload_ms=(time.perf_counter() - t0) * 1e3,
                            bytes_read=got, bytes_planned=planned, lost_records=lost,
+                           full_reload_bytes=self.train.nbytes(self.shard.holdings),
                            holdings=self.shard.holdings, records_held=len(self.shard))
 
     # -- epochs and the end ----------------------------------------------
@@ -170,7 +178,7 @@ class Trainer:
             return
         if self._bar is None:
             from tqdm import tqdm
-            self._bar = tqdm(initial=self.opt.step_count, unit="step", desc=f"train x{self.comm.size}",
+            self._bar = tqdm(initial=self.opt.step_count - 1, unit="step", desc=f"train x{self.comm.size}",
                              mininterval=0.5, dynamic_ncols=True)
         self._bar.total = self.opt.step_count + (self.cfg.epochs - self.position[0]) * self.steps_per_epoch() - self.position[1]
         self._bar.set_description(f"epoch {self.position[0]} x{self.comm.size}", refresh=False)
@@ -181,7 +189,9 @@ class Trainer:
         """Train to the last epoch; return the summary (also written by the lowest survivor)."""
         t_start = time.perf_counter()
         torch.manual_seed(self.cfg.seed)
-        self.opt.set_state(self.comm.bcast(self.opt.get_state() if self.comm.rank == 0 else None))
+        # A checkpointer that resumed has already given every rank the same state.
+        if self.checkpointer is None or not self.checkpointer.begin(self):
+            self.opt.set_state(self.comm.bcast(self.opt.get_state() if self.comm.rank == 0 else None))
         self.log("start", world=self.comm.size, alive=self.comm.alive, holdings=self.shard.holdings,
                  count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_per_epoch())
@@ -198,8 +208,13 @@ class Trainer:
                 self.log("step", **rec)
                 self.position[1] += 1
                 self._progress(loss)
+                if self.checkpointer is not None:
+                    self.checkpointer.after_step(self)
         except _TrainingComplete:
             pass
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()   # what is in flight must be durable before the job can end
         return self._finish(t_start)
 
     def _finish(self, t_start: float) -> dict[str, Any]:

@@ -1,0 +1,24 @@
+# The README's commands.  `make demo` and `make test` set everything up first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ulfmtrain-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): scripts/install.sh pyproject.toml meson.build setup.py VERSION csrc/* ulfmtrain/*
+	VENV=$(VENV) scripts/install.sh
+	touch $@
+
+demo: setup
+	$(PY) -P -m ulfmtrain demo
+
+test: setup
+	$(PY) -P -m pytest
+
+bench: setup
+	$(PY) -P benchmarks/run_all.py
+
+clean:
+	rm -rf build .mesonpy-* ulfmtrain-out ulfmtrain-demo

