@@ -1,0 +1,91 @@
+"""Two hosts on one machine (network namespaces with their own hostnames), TCP between them:
+every rank of one host is SIGKILLed and the other host's ranks train on.
+
+The hosts are created by this test and removed after it; no traffic leaves them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ulfmtrain.metrics import read_rank_logs
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
+SUBNET = "10.213.0"
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts(tmp_path):
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("network namespaces need root, iproute2 and unshare")
+    tag = f"ulfm{os.getpid() % 100000}"
+    bridge, hosts = f"{tag}br", {f"{SUBNET}.1": f"{tag}a", f"{SUBNET}.2": f"{tag}b"}
+    try:
+        sh("ip", "netns", "add", bridge)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    try:
+        sh("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", bridge, "link", "set", "br0", "up")
+        for i, (addr, ns) in enumerate(hosts.items()):
+            sh("ip", "netns", "add", ns)
+            veth, peer = f"v{tag}{i}", f"p{tag}{i}"
+            sh("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+            sh("ip", "link", "set", veth, "netns", ns)
+            sh("ip", "link", "set", peer, "netns", bridge)
+            sh("ip", "-n", bridge, "link", "set", peer, "master", "br0")
+            sh("ip", "-n", bridge, "link", "set", peer, "up")
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+            sh("ip", "-n", ns, "link", "set", veth, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        # mpirun's "ssh HOST CMD": run CMD in HOST's namespace, under HOST as hostname.
+        agent = tmp_path / "agent.sh"
+        cases = "\n".join(f"  {a}) ns={n};;" for a, n in hosts.items())
+        agent.write_text(f'#!/bin/sh\nhost=$1; shift\ncase "$host" in\n{cases}\n  *) exit 1;;\nesac\n'
+                         'exec ip netns exec $ns unshare --uts sh -c "hostname $host; $*"\n')
+        agent.chmod(0o755)
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text("".join(f"{a} slots=2\n" for a in hosts))
+        yield hosts, agent, hostfile
+    finally:
+        for ns in [*hosts.values(), bridge]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def test_losing_every_rank_of_a_host(two_hosts, digits_dir, tmp_path):
+    hosts, agent, hostfile = two_hosts
+    first = next(iter(hosts))
+    out = tmp_path / "out"
+    extra = ["--prtemca", "plm_ssh_agent", str(agent), "--mca", "btl", "tcp,self",
+             "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24", "--prtemca", "oob_tcp_if_include", f"{SUBNET}.0/24"]
+    launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", "4", "--hostfile", str(hostfile),
+              *[f"--mpirun-arg={a}" for a in extra], "--",
+              "train", "--data", str(digits_dir), "--out", str(out), "--epochs", "3", "--model", "mlp",
+              "--no-progress", "--kill", "2@30", "--kill", "3@30"]
+    inner = " ".join(f"'{a}'" for a in launch)
+    proc = subprocess.run(["ip", "netns", "exec", hosts[first], "unshare", "--uts", "sh", "-c",
+                           f"hostname {first}; exec {inner}"], capture_output=True, text=True, timeout=150)
+    logs = read_rank_logs(out)
+    diag = proc.stdout[-2000:] + proc.stderr[-3000:]
+    starts = {r: next(x for x in recs if x["event"] == "start") for r, recs in logs.items()}
+    assert sorted(starts) == [0, 1, 2, 3], diag
+    a, b = list(hosts)
+    assert [starts[r]["host"] for r in range(4)] == [a, a, b, b]     # ranks 2 and 3 lived on the other host
+    ends = {r: [x for x in recs if x["event"] == "end"] for r, recs in logs.items()}
+    assert sorted(r for r, e in ends.items() if e) == [0, 1], diag
+    for r in (0, 1):
+        end = ends[r][0]
+        assert end["world_history"] == [4, 2] and end["consistent"], end
+        rec = [x for x in logs[r] if x["event"] == "recovery"]
+        assert len(rec) == 1 and rec[0]["removed"] == [2, 3]
+    assert ends[0][0]["checksum"] == ends[1][0]["checksum"]
+    assert json.loads((out / "summary.json").read_text())["test_acc"] > 0.8
