@@ -1,6 +1,4 @@
 """The build: both build systems produce the extension; the install holds what it should."""
-import importlib.util
-import os
 import re
 import shutil
 import subprocess

@@ -24,6 +24,9 @@ _EXPORTS = {
     "ShardedDataset": "data", "DatasetError": "data", "digits_to_dataset": "data",
     "arrays_to_dataset": "data", "synthetic_dataset": "data", "plan_recovery": "data",
     "mpirun_command": "launch",
+    "Checkpointer": "checkpoint", "CheckpointError": "checkpoint", "load_latest": "checkpoint",
+    "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
+    "run_compare": "compare",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

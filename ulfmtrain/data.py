@@ -46,7 +46,6 @@ import math
 import os
 import stat
 import struct
-import tempfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -55,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .atomic import atomic_file
 
 __all__ = [
     "MAGIC",
@@ -264,9 +265,8 @@ def write_dataset_chunks(
         ) from None
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
+    with atomic_file(path) as tmp:
+        fd = tmp.fileno()
         _pwrite_all(fd, _PREAMBLE.pack(MAGIC, len(raw_header)) + raw_header, 0)
         _pwrite_all(fd, _U32.pack(zlib.crc32(raw_header)), _PREAMBLE.size + len(raw_header))
         crcs = np.zeros(count, dtype="<u4")
@@ -319,33 +319,6 @@ def write_dataset_chunks(
         _pwrite_all(fd, memoryview(crcs.view(np.uint8)), crc_offset)
         # Extends a file with no records (and any alignment gap) to its exact size.
         os.ftruncate(fd, data_offset + count * record_size)
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp_name, path)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Persist a rename in ``directory`` where the platform allows it."""
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 def write_dataset(

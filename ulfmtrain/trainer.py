@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -192,7 +193,7 @@ class Trainer:
         # A checkpointer that resumed has already given every rank the same state.
         if self.checkpointer is None or not self.checkpointer.begin(self):
             self.opt.set_state(self.comm.bcast(self.opt.get_state() if self.comm.rank == 0 else None))
-        self.log("start", world=self.comm.size, alive=self.comm.alive, holdings=self.shard.holdings,
+        self.log("start", host=socket.gethostname(), world=self.comm.size, alive=self.comm.alive, holdings=self.shard.holdings,
                  count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_per_epoch())
         try:

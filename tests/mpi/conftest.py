@@ -18,8 +18,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    out = os.environ.get("ULFMTRAIN_MPI_RESULTS")
+    if out is None:      # collected outside mpirun: nothing to report
+        return
     from mpi4py import MPI
 
-    out = os.environ["ULFMTRAIN_MPI_RESULTS"]
     with open(os.path.join(out, f"rank{MPI.COMM_WORLD.Get_rank()}.json"), "w") as f:
         json.dump({"exitstatus": int(exitstatus), "passed": _Count.passed, "failed": _Count.failed}, f)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ulfmtrain.comm import RolledForward
-from ulfmtrain.optim import FTSGD, DistributedOptimizer
+from ulfmtrain.optim import FTSGD
 
 
 class FakeComm:

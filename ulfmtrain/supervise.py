@@ -1,0 +1,204 @@
+"""`python -m ulfmtrain supervise -n N -- train ...`: classic checkpoint-restart.
+
+Each attempt is one mpirun.  In restart mode it runs without `--with-ft
+ulfm`, as a plain MPI job does today: the first failure ends the job.  The
+supervisor then relaunches it from the latest checkpoint with the same number
+of ranks (or one fewer per failed rank, --relaunch fewer), until the training
+completes or --max-attempts is reached.  It never touches checkpoint files;
+it only decides whether to pass --resume.
+
+OUT (the train command's --out) gets attempt-<k>/ per attempt,
+supervisor.json (every attempt with its launch, failure-report and exit
+times) and, on success, summary.json of the attempt that finished.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .checkpoint import has_checkpoint, read_pointer
+from .faults import Kill, parse_kills
+from .launch import mpirun_command
+from .metrics import read_rank_logs
+
+PROG = "ulfmtrain supervise"
+# How Open MPI's launcher reports a rank that died (prterun / mpirun).
+_NOTICED = re.compile(r"noticed that process rank \d+")
+
+
+class SuperviseError(Exception):
+    """A supervise command line that cannot run."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The supervise subcommand's flags."""
+    p.add_argument("-n", type=int, required=True, help="number of ranks of the first attempt")
+    p.add_argument("--max-attempts", type=int, default=5, help="launches in all, the first included")
+    p.add_argument("--relaunch", choices=("same", "fewer"), default="same",
+                   help="relaunch with the same number of ranks, or one fewer per failed rank")
+    p.add_argument("--min-ranks", type=int, default=1, help="with --relaunch fewer: never go below this")
+    p.add_argument("--timeout", type=float, default=None, help="seconds one attempt may take before it is killed")
+    p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ... --recovery restart --ckpt-dir DIR ...")
+
+
+def _strip(argv: Sequence[str], flags: dict[str, bool]) -> list[str]:
+    """Drop flags (name -> takes a value) from argv, in both --f V and --f=V forms."""
+    out, it = [], iter(argv)
+    for a in it:
+        name = a.split("=", 1)[0]
+        if name in flags:
+            if flags[name] and "=" not in a:
+                next(it, None)
+            continue
+        out.append(a)
+    return out
+
+
+def without_ft(cmd: list[str]) -> list[str]:
+    """The mpirun command without `--with-ft ulfm`: a plain MPI job that the first failure ends."""
+    out = list(cmd)
+    for i in range(len(out) - 1):
+        if out[i] == "--with-ft" and out[i + 1] == "ulfm":
+            del out[i:i + 2]
+            break
+    return out
+
+
+def _pump(src: Any, dst: Any, notice: list[float]) -> None:
+    """Copy mpirun's output through, noting when it first reports a dead rank."""
+    for line in iter(src.readline, ""):
+        if not notice and _NOTICED.search(line):
+            notice.append(time.time())
+        dst.write(line)
+        dst.flush()
+    src.close()
+
+
+def run_attempt(cmd: list[str], timeout: float | None) -> dict[str, Any]:
+    """Run one mpirun; return its exit status and the times it was launched, reported a failure and exited."""
+    t_launch = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                            start_new_session=True)
+    notice: list[float] = []
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, []), daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, notice), daemon=True)]
+    for t in pumps:
+        t.start()
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)   # mpirun and its ranks: the group this Popen created
+        rc = proc.wait()
+    t_exit = time.time()
+    for t in pumps:
+        t.join(timeout=5)
+    return {"rc": rc, "timed_out": timed_out, "t_launch": t_launch,
+            "t_failure_reported": notice[0] if notice else None, "t_exit": t_exit}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def _parse_train(argv: Sequence[str]) -> argparse.Namespace:
+    from .cli import build_parser
+
+    if not argv or argv[0] != "train":
+        raise SuperviseError("supervise needs a train command after --, e.g. "
+                             "`supervise -n 4 -- train --data DIR --recovery restart --ckpt-dir CKPT --ckpt-every 20`")
+    return build_parser().parse_args(list(argv))
+
+
+def supervise(n: int, argv: Sequence[str], *, max_attempts: int = 5, relaunch: str = "same",
+              min_ranks: int = 1, timeout: float | None = None, mpirun_args: Sequence[str] = ()) -> int:
+    """Run the train command until it completes, relaunching from the latest checkpoint; return an exit status."""
+    argv = list(argv[1:] if argv and argv[0] == "--" else argv)
+    args = _parse_train(argv)
+    if n < 1 or max_attempts < 1 or min_ranks < 1:
+        raise SuperviseError("-n, --max-attempts and --min-ranks must be at least 1")
+    if not any(a == "--recovery" or a.startswith("--recovery=") for a in argv):
+        argv += ["--recovery", "restart"]
+        args.recovery = "restart"
+    if not args.ckpt_dir:
+        raise SuperviseError("supervise relaunches from checkpoints: add --ckpt-dir DIR "
+                             "(and --ckpt-every K or --ckpt-epoch) to the train command")
+    kills: list[Kill] = parse_kills(args.kill, n)
+    out, ckpt = Path(args.out), Path(args.ckpt_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = _strip(argv, {"--out": True, "--kill": True, "--resume": False})
+    record: dict[str, Any] = {"ranks": n, "argv": argv, "recovery": args.recovery, "relaunch": relaunch,
+                              "max_attempts": max_attempts, "attempts": []}
+    ranks = n
+    for attempt in range(1, max_attempts + 1):
+        run_dir = out / f"attempt-{attempt}"
+        resume = args.resume if attempt == 1 else has_checkpoint(ckpt)
+        pointer = read_pointer(ckpt) if resume else None
+        av = base + ["--out", str(run_dir)] + [a for k in kills for a in ("--kill", str(k))]
+        av += ["--resume"] if resume else []
+        cmd = mpirun_command(ranks, av, mpirun_args=mpirun_args)
+        if args.recovery == "restart":
+            cmd = without_ft(cmd)
+        print(f"{PROG}: attempt {attempt}/{max_attempts}: {ranks} ranks"
+              + (f", resuming from {pointer['file']}" if pointer else ", from scratch" if not resume else ""),
+              file=sys.stderr, flush=True)
+        res = run_attempt(cmd, timeout)
+        logs = read_rank_logs(run_dir) if run_dir.exists() else {}
+        fired = sorted({r["spec"] for recs in logs.values() for r in recs if r["event"] == "kill"})
+        started = any(r["event"] == "start" for recs in logs.values() for r in recs)
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        done = summary is not None and summary.get("epochs") == args.epochs
+        res.update(attempt=attempt, ranks=ranks, out=str(run_dir), argv=av, resume=resume,
+                   resumed_from=pointer["file"] if pointer else None, kills_fired=fired, completed=done)
+        record["attempts"].append(res)
+        record["completed"] = done
+        _write_json(out / "supervisor.json", record)
+        if done:
+            summary["attempts"] = len(record["attempts"])
+            _write_json(out / "summary.json", summary)
+            print(f"{PROG}: training completed in attempt {attempt} "
+                  f"({attempt - 1} relaunch{'es' if attempt != 2 else ''})", file=sys.stderr, flush=True)
+            return 0
+        why = ("timed out" if res["timed_out"] else
+               f"kill {', '.join(fired)}" if fired else f"mpirun exit status {res['rc']}")
+        if not started and not fired:
+            print(f"{PROG}: error: attempt {attempt} failed before training started ({why}): "
+                  "fix the error above; not relaunching", file=sys.stderr, flush=True)
+            return 2
+        kills = [k for k in kills if str(k) not in fired]
+        if relaunch == "fewer":
+            ranks = max(min_ranks, ranks - max(1, len(fired)))
+            dropped = [k for k in kills if k.rank >= ranks]
+            if dropped:
+                print(f"{PROG}: warning: dropping kill(s) {', '.join(map(str, dropped))}: "
+                      f"those ranks do not exist with {ranks} ranks", file=sys.stderr, flush=True)
+            kills = [k for k in kills if k.rank < ranks]
+        if attempt < max_attempts:
+            print(f"{PROG}: attempt {attempt} failed ({why})", file=sys.stderr, flush=True)
+    print(f"{PROG}: error: giving up after {max_attempts} attempts (--max-attempts {max_attempts}); "
+          f"see {out / 'supervisor.json'}", file=sys.stderr, flush=True)
+    return 1
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `python -m ulfmtrain supervise`."""
+    try:
+        return supervise(args.n, args.argv, max_attempts=args.max_attempts, relaunch=args.relaunch,
+                         min_ranks=args.min_ranks, timeout=args.timeout, mpirun_args=args.mpirun_arg)
+    except SuperviseError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
