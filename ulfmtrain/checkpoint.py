@@ -181,24 +181,21 @@ def prune(directory: str | Path, committed_step: int, keep: int) -> list[Path]:
     """
     files = sorted(((s, p) for p in Path(directory).iterdir()
                     if (s := _step_of(p)) is not None and s <= committed_step), reverse=True)
-    gone = []
-    for _, p in files[max(1, keep):]:
-        try:
-            p.unlink()
-            gone.append(p)
-        except FileNotFoundError:
-            pass
-    return gone
+    return _unlink_all(p for _, p in files[max(1, keep):])
 
 
 def remove_stale_temporaries(directory: str | Path) -> list[Path]:
     """Delete temporary files left by a writer that died; return them."""
+    return _unlink_all(Path(directory).glob(f"{_TMP_PREFIX}*"))
+
+
+def _unlink_all(paths: Iterable[Path]) -> list[Path]:
     gone = []
-    for p in Path(directory).glob(f"{_TMP_PREFIX}*"):
+    for p in paths:
         try:
             p.unlink()
             gone.append(p)
-        except FileNotFoundError:
+        except FileNotFoundError:   # another rank or attempt removed it first
             pass
     return gone
 
