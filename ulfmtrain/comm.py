@@ -117,7 +117,9 @@ class FaultTolerantComm:
 
     def allreduce(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
         """Reduce send into recv over the survivors (out of place, so a retry can reuse send)."""
-        self._repairing(lambda tag: _ftcoll.allreduce(self.comm, send, recv, op, tag))
+        first = _ftcoll.allreduce(self.comm, send, recv, op, self._tag())
+        if first[0] != _ftcoll.OK:   # the failure-free path stays a single call into C
+            self._repairing(lambda tag: _ftcoll.allreduce(self.comm, send, recv, op, tag), first)
 
     def agree(self, flag: int) -> int:
         """Return the bitwise AND of flag over the survivors, uniformly."""
@@ -147,15 +149,17 @@ class FaultTolerantComm:
     def _tag(self) -> int:
         return self.replica.tag() if self.replica is not None else 0
 
-    def _repairing(self, run: Callable[[int], tuple]) -> None:
+    def _repairing(self, run: Callable[[int], tuple], result: tuple | None = None) -> None:
+        """Run (or take the result of a first run) until it completes on a repaired communicator."""
         while True:
-            status, fresh, report = run(self._tag())
+            status, fresh, report = result if result is not None else run(self._tag())
             if status == _ftcoll.OK:
                 return
             self._adopt(fresh, report, status)
             if status == _ftcoll.RECOVERED:
                 return
             self._level(report)   # then retry `run` on the repaired communicator
+            result = None
 
     def _python_failure(self, exc: MPI.Exception, tag: int) -> tuple:
         """Turn a failure met in an mpi4py call into a repair through the C path."""

@@ -840,21 +840,48 @@ def check_coverage(holdings: Mapping[int, Ranges], count: int) -> None:
 
 
 class LocalShard:
-    """The records one rank holds in memory, grown in place after a recovery.
+    """The records one rank holds in memory, grown after a recovery without copying what it had.
+
+    Records are kept in segments, one per load: a partial reload appends one
+    segment, so its cost follows the lost records, not the whole shard.
+    Index i counts through the segments in the order they were loaded
+    (``order`` gives the record ranges in that order).
 
     Attributes:
         holdings: Merged ranges held, in ascending order.
-        arrays: Contiguous per-field arrays of the held records, in holdings order.
+        order: The same records as ranges, in storage (index) order.
     """
 
     def __init__(self, dataset: ShardedDataset, holdings: Iterable[tuple[int, int]]) -> None:
         """Load ``holdings`` (merged and sorted) from ``dataset``."""
         self.dataset = dataset
         self.holdings: Ranges = merge_ranges(holdings)
-        self.arrays: dict[str, np.ndarray] = self._load(self.holdings)
+        self.order: Ranges = list(self.holdings)
+        self._segments = [self._load(self.holdings)]
+        self._starts = np.zeros(1, dtype=np.int64)
 
     def __len__(self) -> int:
         return ranges_len(self.holdings)
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every held record as contiguous per-field arrays, in index order (a copy once there are segments)."""
+        if len(self._segments) == 1:
+            return self._segments[0]
+        return {k: np.concatenate([seg[k] for seg in self._segments]) for k in self._segments[0]}
+
+    def take(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Gather the records at indices idx (a batch)."""
+        if len(self._segments) == 1:
+            return {k: v[idx] for k, v in self._segments[0].items()}
+        seg = np.searchsorted(self._starts, idx, side="right") - 1
+        out = {k: np.empty((len(idx), *v.shape[1:]), v.dtype) for k, v in self._segments[0].items()}
+        for s in np.unique(seg):
+            mask = seg == s
+            local = idx[mask] - self._starts[s]
+            for k in out:
+                out[k][mask] = self._segments[s][k][local]
+        return out
 
     def _load(self, ranges: Ranges) -> dict[str, np.ndarray]:
         """Read ``ranges`` into freshly allocated contiguous arrays in bounded pieces."""
@@ -890,13 +917,13 @@ class LocalShard:
         t0 = time.perf_counter()
         before = self.dataset.bytes_read
         if plan.mode == "full":
-            # Release the old copy first so peak memory is one shard, not two.
-            self.arrays = {}
-            self.holdings = []
-            self.arrays = self._load(reads)
-            self.holdings = merge_ranges(reads)
-            if self.holdings != target or ranges_len(reads) != ranges_len(target):
+            if merge_ranges(reads) != target or ranges_len(reads) != ranges_len(target):
                 raise ValueError(f"plan reads for rank {rank} do not equal its new holdings")
+            # Release the old copy first so peak memory is one shard, not two.
+            self._segments = []
+            self._segments = [self._load(reads)]
+            self._starts = np.zeros(1, dtype=np.int64)
+            self.order = list(reads)
         elif plan.mode == "partial":
             if merge_ranges(self.holdings + reads) != target or ranges_len(self.holdings) + ranges_len(
                 reads
@@ -904,31 +931,14 @@ class LocalShard:
                 raise ValueError(
                     f"plan for rank {rank} was not made from this shard's holdings {self.holdings}"
                 )
-            new = self._load(reads)
-            self.arrays = self._merge(self.holdings, self.arrays, reads, new)
-            self.holdings = target
+            if reads:
+                self._starts = np.append(self._starts, len(self))
+                self._segments.append(self._load(reads))
+                self.order = self.order + list(reads)
         else:
             raise ValueError(f"unknown recovery mode {plan.mode!r}")
+        self.holdings = target
         return self.dataset.bytes_read - before, time.perf_counter() - t0
-
-    def _merge(
-        self, old_r: Ranges, old: dict[str, np.ndarray], new_r: Ranges, new: dict[str, np.ndarray]
-    ) -> dict[str, np.ndarray]:
-        """Interleave two disjoint sets of held records into ascending record order."""
-        pieces: list[tuple[int, int, dict[str, np.ndarray], int]] = []
-        for ranges, arrays in ((old_r, old), (new_r, new)):
-            pos = 0
-            for a, b in ranges:
-                pieces.append((a, b, arrays, pos))
-                pos += b - a
-        pieces.sort(key=lambda p: p[0])
-        out = self.dataset.empty(sum(b - a for a, b, _, _ in pieces))
-        pos = 0
-        for a, b, arrays, src in pieces:
-            for name in out:
-                out[name][pos : pos + b - a] = arrays[name][src : src + b - a]
-            pos += b - a
-        return out
 
     def batch_indices(self, epoch: int, seed: int) -> np.ndarray:
         """Return a permutation of ``range(len(self))`` seeded by ``(seed, epoch)``."""

@@ -106,9 +106,8 @@ class Trainer:
         key = (epoch, len(self.shard))
         if key != self._perm_key:
             self._perm_key, self._perm = key, self.shard.batch_indices(epoch, self.cfg.seed)
-        idx = self._perm[(s * self.cfg.batch + np.arange(self.cfg.batch)) % len(self.shard)]
-        return (torch.from_numpy(self.shard.arrays["x"][idx]),
-                torch.from_numpy(self.shard.arrays["y"][idx]))
+        batch = self.shard.take(self._perm[(s * self.cfg.batch + np.arange(self.cfg.batch)) % len(self.shard)])
+        return torch.from_numpy(batch["x"]), torch.from_numpy(batch["y"])
 
     def _normalize(self) -> bool:
         """Close finished epochs; return True while there are steps left."""

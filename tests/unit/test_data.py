@@ -493,13 +493,15 @@ def digits_ds(tmp_path: Path):
 
 
 def _assert_shard_fresh(shard: LocalShard, ds: ShardedDataset) -> None:
-    """Assert the shard's arrays equal a fresh read of its holdings, in order."""
-    assert shard.holdings == merge_ranges(shard.holdings)
-    fresh = ds.read_ranges(shard.holdings)
+    """Assert the shard holds exactly its holdings, in its index order, and gathers batches from them."""
+    assert shard.holdings == merge_ranges(shard.holdings) == merge_ranges(shard.order)
+    fresh = ds.read_ranges(shard.order)
     _assert_same(shard.arrays, fresh)
     assert len(shard) == len(next(iter(fresh.values())))
     for arr in shard.arrays.values():
         assert arr.flags.c_contiguous
+    idx = np.random.default_rng(len(shard)).integers(0, len(shard), size=min(len(shard), 40))
+    _assert_same(shard.take(idx), {k: v[idx] for k, v in fresh.items()})
 
 
 @pytest.mark.parametrize("mode", ["partial", "full"])
@@ -540,7 +542,7 @@ def test_local_shard_random_failures(tmp_path: Path, seed: int) -> None:
             for r, s in shards.items():
                 assert s.apply(plan, r)[0] == ds.nbytes(plan.reads[r])
                 _assert_shard_fresh(s, ds)
-                np.testing.assert_array_equal(s.arrays["v"], [i for a, b in s.holdings for i in range(a, b)])
+                np.testing.assert_array_equal(s.arrays["v"], [i for a, b in s.order for i in range(a, b)])
             holdings = plan.holdings
 
 

@@ -1,0 +1,88 @@
+"""Run the four benchmarks one after the other and print their key figures (what `make bench` runs).
+
+At the default sizes this takes about 15 minutes on a 2-core machine.
+`--quick` runs each at its smallest size instead (the smoke tests use the same
+settings), which takes about a minute.
+
+Usage: python benchmarks/run_all.py [--results DIR] [--quick] [--only shrink reload ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SCRIPTS = {
+    "shrink": "bench_shrink.py",
+    "reload": "bench_reload.py",
+    "convergence": "bench_convergence.py",
+    "overhead": "bench_overhead.py",
+}
+# The smallest run of each benchmark that still exercises all of its code.
+QUICK_ARGS = {
+    "shrink": ["--ranks", "2", "--repeats", "1", "--iters", "3", "--warmup", "3"],
+    "reload": ["--mib", "1", "--ranks", "2", "--repeats", "1"],
+    "convergence": ["--ranks", "2", "--steps", "20", "--kill-step", "12", "--phases", "backward=0.5"],
+    "overhead": ["--ranks", "2", "--max-bytes", "16KiB", "--rounds", "2", "--target-s", "0.005",
+                 "--models", "cnn", "--steps", "3", "--step-rounds", "2"],
+}
+
+
+def headline(results: Path, name: str) -> str:
+    """One line per key figure, from the benchmark's JSON."""
+    d = json.loads((results / f"{name}.json").read_text())
+    h = d["headline"]
+    if name == "shrink":
+        return "shrink ms (median survivor): " + ", ".join(
+            f"{k} {v['shrink_ms']:.2f} (whole recovery {v['recovery_ms']:.2f})" for k, v in h.items())
+    if name == "reload":
+        return "partial/full reload time (slowest survivor): " + ", ".join(
+            f"{k} {v['partial_over_full_time']:.3f}" for k, v in h.items())
+    if name == "convergence":
+        return "final accuracy gap, points (failure-free minus FT-SGD): " + "; ".join(
+            f"{n}: " + ", ".join(f"{k} {g:+.2f}" for k, g in gaps.items())
+            for n, gaps in h["accuracy_gap_points"].items())
+    ratios = h["ft_over_mpi_throughput"]
+    return ("FT/plain MPI allreduce throughput: " + "; ".join(
+        f"{n}: " + ", ".join(f"{b} {r:.3f}" for b, r in rs.items()) for n, rs in ratios.items())
+        + "\n    FT-SGD/DDP-gloo step throughput: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in h["ftsgd_over_ddp"].items()))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=common.DEFAULT_RESULTS)
+    p.add_argument("--quick", action="store_true", help="smallest sizes (a smoke run, not a measurement)")
+    p.add_argument("--only", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
+    args = p.parse_args(argv)
+
+    t_all = time.perf_counter()
+    failed = []
+    for name in args.only:
+        cmd = [sys.executable, str(common.HERE / SCRIPTS[name]), "--results", str(args.results)]
+        cmd += QUICK_ARGS[name] if args.quick else []
+        print(f"\n=== {name}: {common.portable(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd).returncode
+        print(f"=== {name}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+
+    print(f"\nAll benchmarks: {time.perf_counter() - t_all:.0f} s; results in {args.results}")
+    for name in args.only:
+        if name not in failed:
+            print(f"  {name}: {headline(args.results, name)}")
+    if failed:
+        print(f"  FAILED: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,91 @@
+"""Smoke tests: every benchmark runs at its smallest size and writes the JSON and PNG it promises.
+
+They check fields and that the runs did what they claim (a rank died, sums
+were right), never how fast anything was.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+ENVIRONMENT = {"hostname", "cpu_count", "python", "torch", "mpi4py", "mpi_library", "git", "command", "utc"}
+
+pytestmark = pytest.mark.slow
+
+
+def run_quick(name: str, results: Path, timeout: float) -> dict:
+    """Run one benchmark through run_all.py --quick (the same settings `make bench` would shrink to)."""
+    cmd = [sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", name, "--results", str(results)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{name} did not finish in {timeout} s:\n{exc.stdout}\n{exc.stderr}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((results / f"{name}.json").read_text())
+    assert data["benchmark"] == name
+    assert ENVIRONMENT <= set(data["environment"]), data["environment"]
+    assert f"benchmarks/bench_{name}.py" in data["environment"]["command"]   # the script's own command line
+    assert {"question", "params", "headline", "by_n", "plot"} <= set(data)
+    assert (results / data["plot"]).stat().st_size > 0
+    return data
+
+
+@pytest.mark.timeout(120)
+def test_bench_shrink(tmp_path: Path) -> None:
+    data = run_quick("shrink", tmp_path, 110)
+    n2 = data["by_n"]["2"]
+    for key in ("detect_ms", "revoke_ms", "shrink_ms", "agree_ms", "sync_ms", "retry_ms", "recovery_ms", "total_ms"):
+        assert {"median", "p25", "p75", "min", "max", "slowest_median"} <= set(n2[key]), key
+    for key in ("agree_ff_us", "shrink_ff_us", "agree_after_us", "shrink_after_us"):
+        assert n2[key]["n"] >= 1, key
+    assert n2["all_correct"]
+    (run,) = data["runs"]["2"]
+    (survivor,) = run["survivors"]
+    assert survivor["removed"] == [1] and survivor["size_after"] == 1
+    assert set(data["headline"]["n=2"]) == {"shrink_ms", "recovery_ms", "total_ms"}
+
+
+@pytest.mark.timeout(120)
+def test_bench_reload(tmp_path: Path) -> None:
+    data = run_quick("reload", tmp_path, 110)
+    assert {"cold_reads", "cold_method", "cache_check"} <= set(data)
+    n2 = data["by_n"]["2"]
+    for mode in ("partial", "full"):
+        m = n2["modes"][mode]
+        assert {"bytes_per_survivor", "seconds_per_survivor", "slowest_s", "total_bytes", "aggregate_MBps"} <= set(m)
+        assert m["total_bytes"] > 0
+    # One survivor of two: partial reads the dead rank's half, full reads everything.
+    assert n2["partial_over_full"]["bytes"] == pytest.approx(0.5, rel=0.01)
+    assert set(data["headline"]["n=2"]) == {"partial_over_full_time", "partial_over_full_bytes"}
+
+
+@pytest.mark.timeout(150)
+def test_bench_convergence(tmp_path: Path) -> None:
+    data = run_quick("convergence", tmp_path, 140)
+    runs = data["by_n"]["2"]
+    assert set(runs) == {"sgd", "kill_backward0.5"}
+    assert runs["sgd"]["world_history"] == [2] and runs["kill_backward0.5"]["world_history"] == [2, 1]
+    for r in runs.values():
+        assert r["loss"] and r["test_acc_per_epoch"] and 0.0 <= r["test_acc"] <= 1.0 and r["consistent"]
+    assert runs["kill_backward0.5"]["recovery"]["shrink_ms"] >= 0
+    assert "kill_backward0.5" in data["headline"]["accuracy_gap_points"]["n=2"]
+
+
+@pytest.mark.timeout(150)
+def test_bench_overhead(tmp_path: Path) -> None:
+    data = run_quick("overhead", tmp_path, 140)
+    n2 = data["by_n"]["2"]
+    assert [r["bytes"] for r in n2["allreduce"]] == [4096, 16384]
+    for row in n2["allreduce"]:
+        assert set(row["seconds"]) == {"ft", "ftcoll", "mpi", "gloo"}
+        assert all(row["correct"].values()), row["correct"]
+        assert {"ft/mpi", "ftcoll/mpi", "ft/gloo"} <= set(row["ratio"])
+    (step,) = n2["step"]
+    assert set(step["samples_per_s"]) == {"ftsgd", "ddp", "local"}
+    assert step["ftsgd_equal_replicas"] and step["ddp_equal_replicas"]
+    assert {"ft_over_mpi_min", "ftsgd_over_ddp", "goal_ft_over_mpi_0.99_met"} <= set(data["headline"])
