@@ -19,17 +19,34 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class _Bucket:
-    """Parameters whose gradients travel in one flat buffer."""
+    """Parameters whose gradients travel in one flat buffer.
+
+    After the first step each gradient is a view into `send`, so backward
+    accumulates straight into the buffer the allreduce sends: no copy in, and
+    the reduced result is handed back as views too (as DDP's
+    gradient_as_bucket_view).  Gradients that are not views (set to None, or
+    replaced by the user) are copied in, as before.
+    """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
         self.sizes = [p.numel() for p in params]
         n, dtype = sum(self.sizes), params[0].dtype
+        self._offsets = [0]
+        for size in self.sizes[:-1]:
+            self._offsets.append(self._offsets[-1] + size * params[0].element_size())
         # Out of place: a failed reduction leaves recv undefined, send intact.
         self.send = torch.zeros(n, dtype=dtype)
         self.recv = torch.zeros(n, dtype=dtype)
 
+    def _grads_are_send_views(self) -> bool:
+        base = self.send.data_ptr()
+        return all(p.grad is not None and p.grad.data_ptr() == base + off
+                   for p, off in zip(self.params, self._offsets))
+
     def flatten(self) -> None:
+        if self._grads_are_send_views():
+            return
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
                  for p in self.params]
         torch.cat(grads, out=self.send)
@@ -37,9 +54,9 @@ class _Bucket:
     def unflatten(self, scale: float) -> None:
         self.recv.mul_(scale)
         for p, g in zip(self.params, self.recv.split(self.sizes)):
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            p.grad.copy_(g.view_as(p))
+            p.grad = g.view_as(p)
+        # The reduced gradients become next step's send buffer.
+        self.send, self.recv = self.recv, self.send
 
 
 def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
@@ -88,7 +105,8 @@ class DistributedOptimizer:
     def state(self) -> Any:
         return self.optimizer.state
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients in place, so they stay views of the allreduce buckets."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def register_extra_state(self, name: str, get: Callable[[], Any], set: Callable[[Any], None]) -> None:

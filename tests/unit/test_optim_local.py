@@ -92,3 +92,25 @@ def test_rolled_forward_recomputes_with_closure():
     comm.roll_once = ahead.get_state()
     with pytest.raises(RolledForward):
         opt.step()                    # without a closure the caller must redo the step
+
+
+def test_gradients_become_bucket_views_and_stay_correct():
+    """After a step the gradients are views of the send buffer: the next step copies nothing in."""
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    model, comm, opt = make(size=2)
+    closure = closure_for(model, opt, x, y)
+    opt.step(closure)
+    (bucket,) = opt.buckets
+    assert bucket._grads_are_send_views()
+    send_before = bucket.send
+    closure()                                   # zero in place + backward into the views
+    assert bucket._grads_are_send_views() and bucket.send is send_before
+    expected = torch.cat([p.grad.reshape(-1).clone() for p in opt.params])
+    opt.on_gradients_ready()                    # flatten is a no-op, the sum is right
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in opt.params]), expected)   # 2x then /2
+    model.zero_grad(set_to_none=True)           # a user who drops the views: copied in again
+    closure_for(model, torch.optim.SGD(model.parameters(), lr=0), x, y)()
+    assert not bucket._grads_are_send_views()
+    g = torch.cat([p.grad.reshape(-1).clone() for p in opt.params])
+    opt.on_gradients_ready()
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in opt.params]), g)
