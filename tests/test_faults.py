@@ -122,3 +122,14 @@ def test_survivors_at_different_steps_end_level(mpi, tmp_path):
         assert g["history"] == [n, n - 1] and g["alive"] == list(range(n - 1))
         ev = g["events"][0]
         assert ev["status"] == "diverged" and ev["removed"] == [n - 1] and ev["state_bytes"] > 0
+
+
+@pytest.mark.timeout(90)
+def test_broadcast_survives_a_dead_rank(mpi, tmp_path):
+    n = 4
+    mpi.script(n, mpi.root / "tests" / "scripts" / "bcast_failure.py", [str(tmp_path)], timeout=60)
+    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(got) == list(range(n - 1))
+    for g in got.values():
+        assert g["payload"] == {"from": "root", "values": [1, 2, 3]} and g["step"] == 0
+        assert g["sum"] == float(sum(range(1, n))) and g["history"] == [n, n - 1]

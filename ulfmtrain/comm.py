@@ -20,6 +20,9 @@ from mpi4py import MPI
 from . import _ftcoll
 
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
+# Repaired after a failure met in Python: unlike RECOVERED (the C path already
+# retried), the interrupted call has not completed and must run again.
+_REPAIRED = -1
 
 
 class FaultToleranceUnavailable(RuntimeError):
@@ -133,7 +136,12 @@ class FaultTolerantComm:
         return out[0]
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast a Python object, repairing the communicator on failure."""
+        """Broadcast a Python object, repairing the communicator on failure.
+
+        A broadcast can complete on some ranks and fail on others.  Give it
+        its own replica tag (as Trainer does for the initial state), so that a
+        rank that must repeat it is seen as behind the ranks that went on.
+        """
         out = [obj]
 
         def run(tag: int):
@@ -158,8 +166,9 @@ class FaultTolerantComm:
             self._adopt(fresh, report, status)
             if status == _ftcoll.RECOVERED:
                 return
-            self._level(report)   # then retry `run` on the repaired communicator
-            result = None
+            if status == _ftcoll.DIVERGED:
+                self._level(report)
+            result = None         # retry `run` on the repaired communicator
 
     def _python_failure(self, exc: MPI.Exception, tag: int) -> tuple:
         """Turn a failure met in an mpi4py call into a repair through the C path."""
@@ -168,7 +177,7 @@ class FaultTolerantComm:
         t_error = MPI.Wtime()
         status, fresh, report = _ftcoll.recover(self.comm, tag)
         report["error_class"], report["t_error"] = exc.Get_error_class(), t_error
-        return status, fresh, report
+        return (_REPAIRED if status == _ftcoll.RECOVERED else status), fresh, report
 
     def _adopt(self, fresh: MPI.Intracomm, report: dict, status: int) -> None:
         size_before, alive_before = self.size, self.alive

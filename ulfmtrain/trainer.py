@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .data import LocalShard, ShardedDataset, initial_holdings, plan_recovery, ranges_len
 from .faults import FaultInjector, Kill
 from .metrics import MetricsWriter
+from .comm import RolledForward
 from .optim import DistributedOptimizer, FTSGD
 
 
@@ -185,13 +186,29 @@ class Trainer:
         self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         self._bar.update(1)
 
+    def _sync_initial_state(self) -> None:
+        """Start every rank from rank 0's model.
+
+        The broadcast is its own program point, tag -1: a broadcast can
+        complete on some ranks and fail on others, and the ones that completed
+        go on to step 0.  A rank left at tag -1 is then behind them, and the
+        repair levels it with their state rather than retrying a broadcast
+        that nobody else runs.
+        """
+        self.opt.step_count = -1
+        try:
+            self.opt.set_state(self.comm.bcast(self.opt.get_state() if self.comm.rank == 0 else None))
+            self.opt.step_count = 0
+        except RolledForward:
+            pass   # levelled to the state of a rank that had already started
+
     def fit(self) -> dict[str, Any]:
         """Train to the last epoch; return the summary (also written by the lowest survivor)."""
         t_start = time.perf_counter()
         torch.manual_seed(self.cfg.seed)
         # A checkpointer that resumed has already given every rank the same state.
         if self.checkpointer is None or not self.checkpointer.begin(self):
-            self.opt.set_state(self.comm.bcast(self.opt.get_state() if self.comm.rank == 0 else None))
+            self._sync_initial_state()
         self.log("start", host=socket.gethostname(), world=self.comm.size, alive=self.comm.alive, holdings=self.shard.holdings,
                  count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_per_epoch())
