@@ -31,6 +31,7 @@ from typing import Any
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from ulfmtrain.metrics import pyplot, save_figure  # noqa: E402
 
 NAME = "convergence"
 # Forward and 25/50/75 % of backward: the issue's and paper 000's failure points; update: after the
@@ -102,7 +103,7 @@ def smooth(points: list[tuple[int, float]], window: int) -> tuple[list[int], lis
 
 def plot(runs: dict[int, dict[str, dict]], plans: dict[int, tuple], path: Path) -> None:
     """Per rank count: loss (moving average) and test accuracy against step, every run together."""
-    plt = common.pyplot()
+    plt = pyplot()
     ns = sorted(runs)
     fig, axes = plt.subplots(len(ns), 2, figsize=(10, 3.4 * len(ns)), squeeze=False)
     for row, n in zip(axes, ns):
@@ -130,7 +131,7 @@ def plot(runs: dict[int, dict[str, dict]], plans: dict[int, tuple], path: Path) 
         lo = min(p[2] for r in runs[n].values() for p in r["test_acc_per_epoch"][len(r["test_acc_per_epoch"]) // 3:])
         row[1].set_ylim(max(0.0, lo - 0.02), 1.0)
         row[1].legend(fontsize=7, loc="lower right")
-    common.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str]) -> int:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from ulfmtrain.metrics import pyplot, save_figure  # noqa: E402
 
 NAME = "overhead"
 IMPLS = ("ft", "ftcoll", "mpi", "gloo")
@@ -350,7 +351,7 @@ def run_n(n: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(results: dict[int, dict], path: Path) -> None:
     """Allreduce throughput against size per rank count; ft/mpi ratio; step throughput bars."""
-    plt = common.pyplot()
+    plt = pyplot()
     ns = sorted(results)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     ax, rx, sx = axes
@@ -388,7 +389,7 @@ def plot(results: dict[int, dict], path: Path) -> None:
     sx.set_ylabel("samples/s (all ranks)")
     sx.set_title("training-step throughput", fontsize=9)
     sx.legend(fontsize=7)
-    common.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str]) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from ulfmtrain.metrics import pyplot, save_figure  # noqa: E402
 
 NAME = "reload"
 MODES = ("partial", "full")
@@ -214,7 +215,7 @@ def run_n(n: int, data: Path, work: Path, args: argparse.Namespace) -> dict[str,
 
 def plot(results: dict[int, dict], mib: float, cold: str, path: Path) -> None:
     """Slowest-survivor reload time and bytes per survivor against n, both modes."""
-    plt = common.pyplot()
+    plt = pyplot()
     ns = sorted(results)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.8))
     for mode, color in zip(MODES, ("C0", "C3")):
@@ -235,7 +236,7 @@ def plot(results: dict[int, dict], mib: float, cold: str, path: Path) -> None:
     ax.set_title(f"reload after one failure, {mib:g} MiB ({cold})", fontsize=9)
     bx.set_ylabel("MiB read per survivor")
     bx.set_title("bytes per survivor", fontsize=9)
-    common.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str]) -> int:

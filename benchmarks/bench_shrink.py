@@ -33,6 +33,7 @@ from typing import Any
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from ulfmtrain.metrics import pyplot, save_figure  # noqa: E402
 
 NAME = "shrink"
 # Per-survivor quantities, in ms, in the order they happen.
@@ -163,7 +164,7 @@ def summarize_n(runs: list[dict]) -> dict[str, Any]:
 
 def plot(by_n: dict[int, dict], path: Path) -> None:
     """Time against n: recovery phases (median, quartile bars) and the failure-free references."""
-    plt = common.pyplot()
+    plt = pyplot()
     ns = sorted(by_n)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     series = [("total_ms", "kill → allreduce done", "k", 1.0), ("recovery_ms", "first error → allreduce done", "C0", 1.0),
@@ -186,7 +187,7 @@ def plot(by_n: dict[int, dict], path: Path) -> None:
     ax.set_title("one SIGKILL: recovery cost against n (median, quartiles)")
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax.grid(True, which="both", alpha=0.3)
-    common.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str]) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import importlib.metadata
-import json
 import math
 import os
 import platform
@@ -28,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from ulfmtrain.launch import mpirun_command
+from ulfmtrain import atomic
+from ulfmtrain.launch import mpirun_command, mpirun_prefix
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -54,18 +54,10 @@ def add_common_args(parser: argparse.ArgumentParser, timeout: float) -> None:
 # --------------------------------------------------------------------------- launching
 
 
-def mpirun_prefix(n: int, hostfile: str | None = None, mpirun_args: Sequence[str] = ()) -> list[str]:
-    """Return `mpirun --with-ft ulfm -np N ...` with the flags ulfmtrain's launcher would use."""
-    cmd = mpirun_command(n, [], hostfile=hostfile, mpirun_args=mpirun_args)
-    # The launcher ends with `python [flags] -m ulfmtrain`: everything before the interpreter is mpirun.
-    if sys.executable not in cmd:
-        raise RuntimeError(f"ulfmtrain.launch.mpirun_command no longer runs {sys.executable}: {cmd}")
-    return cmd[:cmd.index(sys.executable)]
-
-
 def worker_command(n: int, script: str | Path, argv: Sequence[str], args: argparse.Namespace) -> list[str]:
     """Return the mpirun command that runs `script _worker ARGV` on n ranks."""
-    return [*mpirun_prefix(n, args.hostfile, args.mpirun_arg), sys.executable, str(script), WORKER, *argv]
+    return [*mpirun_prefix(n, hostfile=args.hostfile, mpirun_args=args.mpirun_arg), sys.executable, str(script),
+            WORKER, *argv]
 
 
 def train_command(n: int, argv: Sequence[str], args: argparse.Namespace) -> list[str]:
@@ -209,9 +201,7 @@ def finalize_rank(timeout: float = 3.0) -> None:
 
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_json_default))
-    tmp.replace(path)
+    atomic.write_json(path, obj, default=_json_default)
 
 
 def _json_default(obj: Any) -> Any:
@@ -329,21 +319,6 @@ def write_result(results: Path, name: str, payload: dict[str, Any]) -> Path:
     path = results / f"{name}.json"
     write_json(path, {"benchmark": name, "environment": environment(), **payload})
     return path
-
-
-def pyplot():
-    """Return matplotlib.pyplot on the Agg backend (no display on a compute node)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def save_figure(fig: Any, path: Path) -> None:
-    """Write a figure as PNG and release it."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot().close(fig)
 
 
 def finish(args: argparse.Namespace, work: Path, path: Path, png: Path) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain.launch import mpirun_command
+from ulfmtrain.launch import mpirun_command, mpirun_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,19 +37,13 @@ def _run(cmd: list[str], timeout: float, env: dict | None) -> subprocess.Complet
 def run_mpi(n: int, argv: list[str], timeout: float, *, ft: bool = True,
             env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m ulfmtrain ARGV` under mpirun; a hang fails the test."""
-    cmd = mpirun_command(n, argv)
-    if not ft:
-        i = cmd.index("--with-ft")
-        del cmd[i:i + 2]
-    return _run(cmd, timeout, env)
+    return _run(mpirun_command(n, argv, ft=ft), timeout, env)
 
 
 def run_script(n: int, script: Path, args: list[str], timeout: float,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a Python script (not the CLI) on n ranks under mpirun --with-ft ulfm."""
-    cmd = mpirun_command(n, [])
-    cmd = cmd[: cmd.index(sys.executable)] + [sys.executable, "-P", str(script), *args]
-    return _run(cmd, timeout, env)
+    return _run([*mpirun_prefix(n), sys.executable, "-P", str(script), *args], timeout, env)
 
 
 @pytest.fixture

@@ -109,11 +109,16 @@ def test_backward_fraction_with_full_reload(mpi, digits_dir, tmp_path):
     assert all(x["bytes_read"] > 1.2 * x["lost_records"] / 3 * 268 for r in recs for x in recs[r])
 
 
+def run_rank_script(mpi, name: str, out, n: int) -> dict[int, dict]:
+    """Run tests/scripts/NAME OUT on n ranks; return what each survivor wrote, by world rank."""
+    mpi.script(n, mpi.root / "tests" / "scripts" / name, [str(out)], timeout=60)
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
 @pytest.mark.timeout(90)
 def test_survivors_at_different_steps_end_level(mpi, tmp_path):
     n = 4
-    mpi.script(n, mpi.root / "tests" / "scripts" / "diverge.py", [str(tmp_path)], timeout=60)
-    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    got = run_rank_script(mpi, "diverge.py", tmp_path, n)
     assert sorted(got) == list(range(n - 1))
     assert [got[r]["rolled"] for r in sorted(got)] == [False] + [True] * (n - 2)
     assert {(g["step"], g["state"]) for g in got.values()} == {(2, "after step 1 on rank 0")}
@@ -127,8 +132,7 @@ def test_survivors_at_different_steps_end_level(mpi, tmp_path):
 @pytest.mark.timeout(90)
 def test_broadcast_survives_a_dead_rank(mpi, tmp_path):
     n = 4
-    mpi.script(n, mpi.root / "tests" / "scripts" / "bcast_failure.py", [str(tmp_path)], timeout=60)
-    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    got = run_rank_script(mpi, "bcast_failure.py", tmp_path, n)
     assert sorted(got) == list(range(n - 1))
     for g in got.values():
         assert g["payload"] == {"from": "root", "values": [1, 2, 3]} and g["step"] == 0

@@ -42,8 +42,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path) -> dic
     from ulfmtrain.launch import mpirun_command
 
     out = tmp_path_factory.mktemp("reference")
-    cmd = mpirun_command(RANKS, train_argv(digits_dir, out))
-    cmd.remove("--with-ft"), cmd.remove("ulfm")
+    cmd = mpirun_command(RANKS, train_argv(digits_dir, out), ft=False)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_S)
     assert (out / "summary.json").exists(), diag(proc)
     return {"dir": out, "summary": json.loads((out / "summary.json").read_text())}

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 
 def fsync_dir(directory: Path) -> None:
@@ -43,3 +44,9 @@ def atomic_file(path: str | Path, mode: str = "wb", prefix: str | None = None) -
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def write_json(path: str | Path, obj: Any, **dumps: Any) -> None:
+    """Write obj as indented JSON with atomic_file (dumps: extra json.dump arguments, e.g. default)."""
+    with atomic_file(path, "w") as f:
+        json.dump(obj, f, indent=1, **dumps)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import shutil
 import subprocess
@@ -28,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from .faults import mid_run_kill
+from .metrics import pyplot, save_figure
 
 PROG = "ulfmtrain compare"
 COMPONENTS = ("detection", "mpi_recovery", "relaunch_init", "checkpoint_load", "data_reload", "replay")
@@ -74,14 +76,6 @@ def large_mlp() -> Any:
 
 
 # --------------------------------------------------------------------------- running
-
-
-def default_kill(train_records: int, ranks: int, batch: int, epochs: int, every: int) -> str:
-    """Rank 1, about 60 % of the way through, half-way between two checkpoints."""
-    spe = math.ceil(math.ceil(train_records / ranks) / batch)
-    period = every or spe
-    step = (int(0.6 * spe * epochs) // period) * period + period // 2
-    return f"1@{max(1, step)}"
 
 
 def _train_argv(a: argparse.Namespace, data: Path, out: Path, kills: Sequence[str]) -> list[str]:
@@ -367,11 +361,7 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 def plot_timeline(report: dict[str, Any], path: Path) -> Path:
     """Committed steps against wall time since launch, one line per run, kills marked."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for label, r in report["runs"].items():
         if not r.get("ok"):
             continue
@@ -386,20 +376,13 @@ def plot_timeline(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("committed steps")
     ax.set_title(f"progress: {report['job']['description']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_lost(report: dict[str, Any], path: Path) -> Path:
     """Stacked horizontal bars of the lost time per failure, by component."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = [(label, r) for label, r in report["runs"].items() if r.get("ok") and r["failures"]]
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(runs) + 1.8))
+    fig, ax = pyplot().subplots(figsize=(8, 0.6 * len(runs) + 1.8))
     for i, (label, r) in enumerate(runs):
         left = 0.0
         for j, c in enumerate(COMPONENTS):
@@ -413,10 +396,7 @@ def plot_lost(report: dict[str, Any], path: Path) -> Path:
     ax.set_xlim(0, max((r["lost_per_failure_s"] for _, r in runs), default=1) * 1.25)
     ax.set_title("where the time of a failure goes")
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- command
@@ -459,7 +439,7 @@ def run_compare(a: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     data, count = _dataset(a)
     a.model = a.model or ("mlp" if a.synthetic else "cnn")
-    kills = a.kill or [default_kill(count, a.ranks, a.batch, a.epochs, a.ckpt_every)]
+    kills = a.kill or [mid_run_kill(count, a.ranks, a.batch, a.epochs, a.ckpt_every)]
     parse_kills(kills, a.ranks)
     desc = (f"{a.model} on {'synthetic' if a.synthetic else 'digits' if not a.data else data.name} "
             f"({count} records), {a.ranks} ranks, {a.epochs} epochs, kill {', '.join(kills)}")

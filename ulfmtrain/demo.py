@@ -3,22 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import time
 from pathlib import Path
 
+from .faults import mid_run_kill
 from .launch import mpirun_command
 from .metrics import loss_curve, plot_loss, read_rank_logs
 
 
 RECOVERY_PARTS = ("detect_ms", "revoke_ms", "shrink_ms", "agree_ms", "sync_ms", "retry_ms", "reload_ms")
-
-
-def default_kill(train_records: int, ranks: int, batch: int, epochs: int) -> str:
-    """Rank 1, in the middle of the epoch about 60 % of the way through training."""
-    spe = math.ceil(math.ceil(train_records / ranks) / batch)
-    return f"1@{spe * round(0.6 * epochs) + spe // 2}"
 
 
 def _run(label: str, out: Path, data: Path, args: argparse.Namespace, kills: list[str]) -> dict:
@@ -57,7 +51,7 @@ def run_demo(args: argparse.Namespace) -> int:
         data.digits_to_dataset(data_dir)
     with data.ShardedDataset(data_dir / "train.ulfmds") as ds:
         n_train = ds.count
-    kill = args.kill or default_kill(n_train, args.ranks, 16, args.epochs)
+    kill = args.kill or mid_run_kill(n_train, args.ranks, 16, args.epochs)
 
     clean = _run("failure-free", out, data_dir, args, [])
     faulty = _run("sigkill", out, data_dir, args, [kill])

@@ -76,6 +76,14 @@ def parse_kills(specs: Iterable[str], world_size: int | None = None) -> list[Kil
     return kills
 
 
+def mid_run_kill(train_records: int, ranks: int, batch: int, epochs: int, every: int = 0) -> str:
+    """Rank 1, about 60 % of the way through, half-way between two checkpoints (or epoch ends)."""
+    spe = math.ceil(math.ceil(train_records / ranks) / batch)
+    period = every or spe
+    step = (int(0.6 * spe * epochs) // period) * period + period // 2
+    return f"1@{max(1, step)}"
+
+
 class FaultInjector:
     """Carry out this rank's part of a kill schedule."""
 

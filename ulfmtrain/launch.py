@@ -20,11 +20,15 @@ def find_mpirun() -> str:
     return found
 
 
-def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
-                   mpirun_args: Sequence[str] = (), cores: int | None = None) -> list[str]:
-    """Build `mpirun --with-ft ulfm -np N ... python -m ulfmtrain ARGV`."""
+def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[str] = (),
+                  cores: int | None = None, ft: bool = True) -> list[str]:
+    """Build `mpirun --with-ft ulfm -np N ...`, the program to run left to the caller.
+
+    ft=False leaves out `--with-ft ulfm`: a plain MPI job that the first
+    failure ends (the restart baseline).
+    """
     cores = cores if cores is not None else (os.cpu_count() or 1)
-    cmd = [find_mpirun(), "--with-ft", "ulfm", "-np", str(n)]
+    cmd = [find_mpirun(), *(["--with-ft", "ulfm"] if ft else []), "-np", str(n)]
     if hostfile:
         # han is not fault-tolerant across hosts (open-mpi/ompi #13915).
         cmd += ["--hostfile", hostfile, "--mca", "coll", "^han"]
@@ -33,11 +37,16 @@ def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
         cmd += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    cmd += list(mpirun_args)
+    return cmd + list(mpirun_args)
+
+
+def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
+                   mpirun_args: Sequence[str] = (), cores: int | None = None, ft: bool = True) -> list[str]:
+    """Build `mpirun --with-ft ulfm -np N ... python -P -m ulfmtrain ARGV`."""
     # -P: a source checkout in the working directory must not shadow the
     # installed package, which holds the compiled fault path.
-    cmd += [sys.executable, "-P", "-m", "ulfmtrain", *argv]
-    return cmd
+    return [*mpirun_prefix(n, hostfile=hostfile, mpirun_args=mpirun_args, cores=cores, ft=ft),
+            sys.executable, "-P", "-m", "ulfmtrain", *argv]
 
 
 def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,

@@ -43,15 +43,27 @@ def loss_curve(records: list[dict]) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in records if r["event"] == "step"]
 
 
+def pyplot() -> Any:
+    """Return matplotlib.pyplot on the Agg backend (no display on a compute node)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Write a figure as PNG, release it, and return the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return Path(path)
+
+
 def plot_loss(curves: dict[str, list[tuple[int, float]]], path: str | Path,
               kills: dict[str, list[int]] | None = None, title: str = "training loss",
               smooth: int = 20) -> Path:
     """Plot loss against step for several runs, marking kill steps."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     for label, pts in curves.items():
         if pts:
             steps, losses = np.array(pts).T
@@ -68,7 +80,4 @@ def plot_loss(curves: dict[str, list[tuple[int, float]]], path: str | Path,
     ax.set_yscale("log")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .atomic import write_json
 from .checkpoint import has_checkpoint, read_pointer
 from .faults import Kill, parse_kills
 from .launch import mpirun_command
@@ -64,16 +65,6 @@ def _strip(argv: Sequence[str], flags: dict[str, bool]) -> list[str]:
     return out
 
 
-def without_ft(cmd: list[str]) -> list[str]:
-    """The mpirun command without `--with-ft ulfm`: a plain MPI job that the first failure ends."""
-    out = list(cmd)
-    for i in range(len(out) - 1):
-        if out[i] == "--with-ft" and out[i + 1] == "ulfm":
-            del out[i:i + 2]
-            break
-    return out
-
-
 def _pump(src: Any, dst: Any, notice: list[float]) -> None:
     """Copy mpirun's output through, noting when it first reports a dead rank."""
     for line in iter(src.readline, ""):
@@ -106,12 +97,6 @@ def run_attempt(cmd: list[str], timeout: float | None) -> dict[str, Any]:
         t.join(timeout=5)
     return {"rc": rc, "timed_out": timed_out, "t_launch": t_launch,
             "t_failure_reported": notice[0] if notice else None, "t_exit": t_exit}
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
 
 
 def _parse_train(argv: Sequence[str]) -> argparse.Namespace:
@@ -149,9 +134,7 @@ def supervise(n: int, argv: Sequence[str], *, max_attempts: int = 5, relaunch: s
         pointer = read_pointer(ckpt) if resume else None
         av = base + ["--out", str(run_dir)] + [a for k in kills for a in ("--kill", str(k))]
         av += ["--resume"] if resume else []
-        cmd = mpirun_command(ranks, av, mpirun_args=mpirun_args)
-        if args.recovery == "restart":
-            cmd = without_ft(cmd)
+        cmd = mpirun_command(ranks, av, mpirun_args=mpirun_args, ft=args.recovery != "restart")
         print(f"{PROG}: attempt {attempt}/{max_attempts}: {ranks} ranks"
               + (f", resuming from {pointer['file']}" if pointer else ", from scratch" if not resume else ""),
               file=sys.stderr, flush=True)
@@ -166,10 +149,10 @@ def supervise(n: int, argv: Sequence[str], *, max_attempts: int = 5, relaunch: s
                    resumed_from=pointer["file"] if pointer else None, kills_fired=fired, completed=done)
         record["attempts"].append(res)
         record["completed"] = done
-        _write_json(out / "supervisor.json", record)
+        write_json(out / "supervisor.json", record)
         if done:
             summary["attempts"] = len(record["attempts"])
-            _write_json(out / "summary.json", summary)
+            write_json(out / "summary.json", summary)
             print(f"{PROG}: training completed in attempt {attempt} "
                   f"({attempt - 1} relaunch{'es' if attempt != 2 else ''})", file=sys.stderr, flush=True)
             return 0

@@ -1,7 +1,6 @@
 """The training loop: forward, backward, gradients-ready callback, update; data re-sharding on failure."""
 from __future__ import annotations
 
-import json
 import math
 import socket
 import time
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from .data import LocalShard, ShardedDataset, initial_holdings, plan_recovery, ranges_len
 from .faults import FaultInjector, Kill
 from .metrics import MetricsWriter
+from .atomic import write_json
 from .comm import RolledForward
 from .optim import DistributedOptimizer, FTSGD
 
@@ -78,7 +78,7 @@ class Trainer:
         t_load = time.perf_counter()
         self.train = ShardedDataset(train_path)
         shards = initial_holdings(self.train.count, comm.size)
-        self.holdings = {w: shards[i] for i, w in enumerate(comm.alive)}
+        self._set_holdings({w: shards[i] for i, w in enumerate(comm.alive)})
         self.shard = LocalShard(self.train, self.holdings[comm.world_rank])
         self.test = None
         if test_path is not None:
@@ -97,7 +97,13 @@ class Trainer:
     # -- sampler ---------------------------------------------------------
     def steps_per_epoch(self) -> int:
         """Steps in an epoch: every rank takes the same number, the largest shard sets it."""
-        return math.ceil(max(ranges_len(h) for h in self.holdings.values()) / self.cfg.batch)
+        return self._steps_per_epoch
+
+    def _set_holdings(self, holdings: dict[int, list]) -> None:
+        # Holdings change only here (start, and after a shrink); the step loop
+        # asks for steps_per_epoch several times a step, so work it out once.
+        self.holdings = holdings
+        self._steps_per_epoch = math.ceil(max(ranges_len(h) for h in holdings.values()) / self.cfg.batch)
 
     def _set_position(self, pos: list[int]) -> None:
         self.position = list(pos)
@@ -146,7 +152,7 @@ class Trainer:
             got += n
             planned += self.train.nbytes(plan.reads[me])
             lost += ranges_len(plan.lost)
-            self.holdings = plan.holdings
+            self._set_holdings(plan.holdings)
         event.extra.update(reload=self.cfg.reload, reload_ms=(time.perf_counter() - t0) * 1e3,
                            bytes_read=got, bytes_planned=planned, lost_records=lost,
                            full_reload_bytes=self.train.nbytes(self.shard.holdings),
@@ -255,7 +261,5 @@ class Trainer:
         self.log("end", **{k: summary[k] for k in ("steps", "world_history", "alive", "test_acc",
                                                     "wall_s", "checksum", "consistent")})
         if self.out_dir is not None and self.comm.rank == 0:
-            tmp = self.out_dir / "summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=1))
-            tmp.replace(self.out_dir / "summary.json")
+            write_json(self.out_dir / "summary.json", summary)
         return summary

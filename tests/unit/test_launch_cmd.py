@@ -1,7 +1,7 @@
 """The mpirun command line that `launch` builds."""
 import sys
 
-from ulfmtrain.launch import mpirun_command
+from ulfmtrain.launch import mpirun_command, mpirun_prefix
 
 
 def test_fault_tolerance_always_on():
@@ -32,3 +32,9 @@ def test_root_and_extra_args(monkeypatch):
     assert cmd[cmd.index("btl") + 1] == "tcp,self"
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     assert "--allow-run-as-root" not in mpirun_command(2, ["train"], cores=4)
+
+
+def test_plain_mpi_for_the_restart_baseline():
+    cmd = mpirun_command(2, ["train"], cores=8, ft=False)
+    assert "--with-ft" not in cmd and cmd[1:3] == ["-np", "2"]
+    assert mpirun_prefix(2, cores=8) == mpirun_command(2, [], cores=8)[:-4]
