@@ -1,12 +1,14 @@
-/* The fault path: collectives that return errors instead of aborting, and
- * the revoke -> shrink -> agree sequence that repairs the communicator.
- * Policy (what a failure means for training) lives in Python; this file
- * only moves bytes and repairs communicators. */
+/* The fault path: collectives that return errors instead of aborting, the
+ * commit agree, and the revoke -> shrink -> agree sequence that repairs the
+ * communicator.  Policy (what a failure means for training, what is redone)
+ * lives in Python; this file only moves bytes and repairs communicators. */
 #include "ftcoll.h"
 #include "ulfm_compat.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -15,8 +17,14 @@
 #define FTC_MAX_SHRINK_TRIES 64
 
 static int ftc_killpoint = FTC_KILL_NONE;
+static MPI_Count ftc_max_chunk = INT_MAX;   /* MPI_Allreduce takes an int count */
 
 void ftc_set_killpoint(int point) { ftc_killpoint = point; }
+
+void ftc_set_max_chunk(MPI_Count elements)
+{
+    ftc_max_chunk = elements < 1 ? 1 : (elements > INT_MAX ? INT_MAX : elements);
+}
 
 static void maybe_kill(int point)
 {
@@ -28,114 +36,62 @@ static void maybe_kill(int point)
 
 static double ms_since(double t0) { return (MPI_Wtime() - t0) * 1e3; }
 
-static int error_class(int rc)
+int ftc_status_of(int rc)
 {
     int cls = rc;
+    if (rc == MPI_SUCCESS)
+        return FTC_OK;
     MPI_Error_class(rc, &cls);
-    return cls;
+    return ulfm_is_failure(cls) ? FTC_FAILED : FTC_ERROR;
 }
 
-static int finish(ftc_report *rep, int status)
+void ftc_revoke(MPI_Comm comm) { MPIX_Comm_revoke(comm); }
+
+/* After an error: revoke, so that no peer waits for this rank in a
+ * collective it will never finish (it goes to the commit agree instead). */
+static int attempt_done(int rc, MPI_Comm comm)
 {
-    rep->status = status;
-    return status;
+    if (rc != MPI_SUCCESS)
+        MPIX_Comm_revoke(comm);
+    return ftc_status_of(rc);
 }
 
-static int fail(ftc_report *rep, int rc)
+int ftc_allreduce_try(const void *sendbuf, void *recvbuf, MPI_Count count,
+                      MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
 {
-    rep->mpi_error = rc;
-    return finish(rep, FTC_ERROR);
-}
-
-static void note_failure(ftc_report *rep, int cls, double t_call)
-{
-    if (rep->error_class != 0)
-        return;              /* keep the first failure of this call */
-    rep->error_class = cls;
-    rep->t_error = MPI_Wtime();
-    rep->detect_ms = (rep->t_error - t_call) * 1e3;
-}
-
-/* Translate `n` ranks of `group` into MPI_COMM_WORLD ranks. */
-static void to_world(MPI_Group group, int n, int *out)
-{
-    MPI_Group world;
-    int ranks[FTC_MAX_REMOVED];
-    MPI_Comm_group(MPI_COMM_WORLD, &world);
-    for (int i = 0; i < n; i++)
-        ranks[i] = i;
-    MPI_Group_translate_ranks(group, n, ranks, world, out);
-    MPI_Group_free(&world);
-}
-
-static void add_failed(ftc_report *rep, int world_rank)
-{
-    for (int i = 0; i < rep->nfailed; i++)
-        if (rep->failed[i] == world_rank)
-            return;
-    if (rep->nfailed < FTC_MAX_REMOVED)
-        rep->failed[rep->nfailed++] = world_rank;
-}
-
-/* Record who the shrink left out (the same on every survivor, so the data
- * plan built from it is too) and who this process has seen fail. */
-static void record_round(MPI_Comm old, MPI_Comm fresh, ftc_report *rep)
-{
-    MPI_Group og, ng, gone, failed;
-    int n = 0, world[FTC_MAX_REMOVED];
-
-    MPI_Comm_group(old, &og);
-    MPI_Comm_group(fresh, &ng);
-    MPI_Group_difference(og, ng, &gone);
-    MPI_Group_size(gone, &n);
-    if (n > FTC_MAX_REMOVED)
-        n = FTC_MAX_REMOVED;
-
-    if (rep->nrounds < FTC_MAX_ROUNDS) {
-        ftc_round *round = &rep->rounds[rep->nrounds];
-        MPI_Comm_size(fresh, &round->size_after);
-        round->nremoved = n;
-        to_world(gone, n, round->removed);
+    MPI_Aint lb, extent;
+    int rc = MPI_Type_get_extent(datatype, &lb, &extent);
+    for (MPI_Count done = 0; rc == MPI_SUCCESS && done < count;) {
+        MPI_Count n = count - done < ftc_max_chunk ? count - done : ftc_max_chunk;
+        rc = MPI_Allreduce((const char *)sendbuf + done * extent,
+                           (char *)recvbuf + done * extent, (int)n, datatype,
+                           op, comm);
+        done += n;
     }
-    rep->nrounds++;
-
-    if (MPIX_Comm_get_failed(old, &failed) == MPI_SUCCESS) {
-        MPI_Group_size(failed, &n);
-        if (n > FTC_MAX_REMOVED)
-            n = FTC_MAX_REMOVED;
-        to_world(failed, n, world);
-        for (int i = 0; i < n; i++)
-            add_failed(rep, world[i]);
-        MPI_Group_free(&failed);
-    }
-    MPI_Group_free(&og);
-    MPI_Group_free(&ng);
-    MPI_Group_free(&gone);
+    return attempt_done(rc, comm);
 }
 
-/* One allreduce tells every survivor the highest tag, the lowest, and the
- * lowest rank that holds the highest (MAXLOC breaks ties by lower index). */
-static int exchange_tags(MPI_Comm comm, int tag, ftc_report *rep)
+int ftc_bcast_try(void *buf, MPI_Count count, MPI_Datatype datatype,
+                  int root, MPI_Comm comm)
 {
-    struct { int value; int index; } in[2], out[2];
-    int rank, rc;
-
-    MPI_Comm_rank(comm, &rank);
-    in[0].value = tag;
-    in[0].index = rank;
-    in[1].value = -tag;
-    in[1].index = rank;
-    rc = MPI_Allreduce(in, out, 2, MPI_2INT, MPI_MAXLOC, comm);
-    if (rc == MPI_SUCCESS) {
-        rep->tag_max = out[0].value;
-        rep->root = out[0].index;
-        rep->tag_min = -out[1].value;
+    MPI_Aint lb, extent;
+    int rc = MPI_Type_get_extent(datatype, &lb, &extent);
+    for (MPI_Count done = 0; rc == MPI_SUCCESS && done < count;) {
+        MPI_Count n = count - done < ftc_max_chunk ? count - done : ftc_max_chunk;
+        rc = MPI_Bcast((char *)buf + done * extent, (int)n, datatype, root, comm);
+        done += n;
     }
-    return rc;
+    return attempt_done(rc, comm);
 }
 
-static int repair(MPI_Comm *comm, int tag, ftc_report *rep)
+int ftc_agree(MPI_Comm comm, int *flag)
 {
+    return ftc_status_of(MPIX_Comm_agree(comm, flag));
+}
+
+int ftc_repair(MPI_Comm *comm, ftc_report *rep)
+{
+    MPI_Comm given = *comm;
     for (int tries = 0; tries < FTC_MAX_SHRINK_TRIES; tries++) {
         MPI_Comm old = *comm, fresh = MPI_COMM_NULL;
         double t = MPI_Wtime();
@@ -151,15 +107,17 @@ static int repair(MPI_Comm *comm, int tag, ftc_report *rep)
         rc = MPIX_Comm_shrink(old, &fresh);
         rep->shrink_ms += ms_since(t);
         if (rc != MPI_SUCCESS) {
-            if (ulfm_is_failure(error_class(rc)))
+            if (ftc_status_of(rc) == FTC_FAILED)
                 continue;
-            return rc;
+            rep->mpi_error = rc;
+            return FTC_ERROR;
         }
         MPI_Comm_set_errhandler(fresh, MPI_ERRORS_RETURN);
-        record_round(old, fresh, rep);
-        /* The old communicators are not freed: a revoked communicator is
-         * cheap to keep, and freeing one that a lagging peer still reaches
-         * for is the crash the ULFM suite's revshrink case shows. */
+        rep->shrinks++;
+        /* A communicator made inside this repair that a second failure made
+         * useless: every survivor has left it (the shrink on it completed). */
+        if (old != given)
+            MPI_Comm_free(&old);
         *comm = fresh;
         maybe_kill(FTC_KILL_AFTER_SHRINK);
 
@@ -168,105 +126,15 @@ static int repair(MPI_Comm *comm, int tag, ftc_report *rep)
         int flag = 1;
         rc = MPIX_Comm_agree(fresh, &flag);
         rep->agree_ms += ms_since(t);
-        if (rc != MPI_SUCCESS) {
-            if (ulfm_is_failure(error_class(rc)))
-                continue;
-            return rc;
+        if (rc == MPI_SUCCESS)
+            return FTC_OK;
+        if (ftc_status_of(rc) != FTC_FAILED) {
+            rep->mpi_error = rc;
+            return FTC_ERROR;
         }
-
-        t = MPI_Wtime();
-        rc = exchange_tags(fresh, tag, rep);
-        rep->sync_ms += ms_since(t);
-        if (rc != MPI_SUCCESS) {
-            if (ulfm_is_failure(error_class(rc)))
-                continue;
-            return rc;
-        }
-        return MPI_SUCCESS;
     }
-    return MPI_ERR_INTERN;
-}
-
-int ftc_recover(MPI_Comm *comm, int tag, ftc_report *rep)
-{
-    int rc = repair(comm, tag, rep);
-    if (rc != MPI_SUCCESS)
-        return fail(rep, rc);
-    return finish(rep, rep->tag_min != rep->tag_max ? FTC_DIVERGED
-                                                    : FTC_RECOVERED);
-}
-
-/* A collective run on a communicator; it must leave its inputs intact when
- * it fails, so that it can be run again on the repaired one. */
-typedef int (*collective_fn)(void *args, MPI_Comm comm);
-
-static int run_repairing(collective_fn run, void *args, MPI_Comm *comm,
-                         int tag, ftc_report *rep)
-{
-    int recovered = 0;
-    for (;;) {
-        double t = MPI_Wtime();
-        int rc = run(args, *comm);
-        if (rc == MPI_SUCCESS) {
-            if (recovered)
-                rep->retry_ms = ms_since(t);
-            return finish(rep, recovered ? FTC_RECOVERED : FTC_OK);
-        }
-        int cls = error_class(rc);
-        if (!ulfm_is_failure(cls))
-            return fail(rep, rc);
-        note_failure(rep, cls, t);
-
-        rc = repair(comm, tag, rep);
-        if (rc != MPI_SUCCESS)
-            return fail(rep, rc);
-        recovered = 1;
-        /* Some survivors may have completed this collective and moved on
-         * (outcomes are not uniform): retrying now would mix two steps. */
-        if (rep->tag_min != rep->tag_max)
-            return finish(rep, FTC_DIVERGED);
-    }
-}
-
-struct allreduce_args {
-    const void *sendbuf;
-    void *recvbuf;
-    int count;
-    MPI_Datatype datatype;
-    MPI_Op op;
-};
-
-static int run_allreduce(void *p, MPI_Comm comm)
-{
-    struct allreduce_args *a = p;
-    return MPI_Allreduce(a->sendbuf, a->recvbuf, a->count, a->datatype,
-                         a->op, comm);
-}
-
-int ftc_allreduce(const void *sendbuf, void *recvbuf, int count,
-                  MPI_Datatype datatype, MPI_Op op, MPI_Comm *comm,
-                  int tag, ftc_report *rep)
-{
-    struct allreduce_args a = { sendbuf, recvbuf, count, datatype, op };
-    return run_repairing(run_allreduce, &a, comm, tag, rep);
-}
-
-struct agree_args {
-    int mine;
-    int *flag;
-};
-
-static int run_agree(void *p, MPI_Comm comm)
-{
-    struct agree_args *a = p;
-    *a->flag = a->mine;  /* a failed agree leaves the flag undefined */
-    return MPIX_Comm_agree(comm, a->flag);
-}
-
-int ftc_agree(int *flag, MPI_Comm *comm, int tag, ftc_report *rep)
-{
-    struct agree_args a = { *flag, flag };
-    return run_repairing(run_agree, &a, comm, tag, rep);
+    rep->mpi_error = MPI_ERR_INTERN;
+    return FTC_ERROR;
 }
 
 struct watchdog {

@@ -1,22 +1,27 @@
-/* Fault-tolerant collectives on ULFM: run, and on a process failure
- * revoke -> shrink -> agree -> retry on the shrunk communicator. */
+/* Fault-tolerant collectives on ULFM: attempts with errors returned, a
+ * uniform commit agree, and the revoke -> shrink -> agree repair. */
 #ifndef ULFMTRAIN_FTCOLL_H
 #define ULFMTRAIN_FTCOLL_H
 
 #include <mpi.h>
 
-#define FTC_MAX_ROUNDS 16      /* shrinks recorded in one call */
-#define FTC_MAX_REMOVED 256    /* world ranks recorded per shrink */
+/* A step (or any collective outside it) is a transaction: each rank runs
+ * its attempt with errors returned, then every live rank takes part in one
+ * MPIX_Comm_agree on "my part completed".  The agreed flag is the same on
+ * every survivor, and so is the error it returns when a rank died (Open MPI
+ * raises MPIX_ERR_PROC_FAILED consistently at all ranks while no failure is
+ * acknowledged, and we acknowledge none).  Commit iff the flag is 1; repair
+ * iff the agree reported a failure or the flag is 0.  Nothing here retries:
+ * the caller redoes an aborted attempt on the repaired communicator. */
 
 enum ftc_status {
-    FTC_OK = 0,         /* completed on the communicator it was given */
-    FTC_RECOVERED = 1,  /* completed on a shrunk communicator (*comm replaced) */
-    FTC_DIVERGED = 2,   /* shrunk, but survivors stand at different tags:
-                           the caller must bring them level, then call again */
-    FTC_ERROR = 3       /* an MPI error that is not a process failure */
+    FTC_OK = 0,         /* completed */
+    FTC_FAILED = 1,     /* a process failure: the communicator is revoked;
+                           go to the commit agree, then repair */
+    FTC_ERROR = 2       /* an MPI error that is not a process failure */
 };
 
-/* Fault-injection points inside recovery (for tests of a kill during it). */
+/* Fault-injection points inside the repair (for tests of a kill during it). */
 enum ftc_killpoint {
     FTC_KILL_NONE = 0,
     FTC_KILL_AFTER_REVOKE = 1,
@@ -24,49 +29,50 @@ enum ftc_killpoint {
 };
 
 typedef struct {
-    int size_after;                    /* size of the communicator it made */
-    int nremoved;                      /* world ranks the shrink left out */
-    int removed[FTC_MAX_REMOVED];
-} ftc_round;
-
-typedef struct {
-    int status;
-    int mpi_error;        /* the MPI error code when status == FTC_ERROR */
-    int error_class;      /* class of the first failure seen (75/76/77) */
-    double t_error;       /* MPI_Wtime() when the first failure came back */
-    double detect_ms;     /* time inside the collective that failed */
-    double revoke_ms, shrink_ms, agree_ms, sync_ms; /* summed over rounds */
-    double retry_ms;      /* the successful retry on the new communicator */
-    int tag_max, tag_min; /* tags of the survivors after the last shrink */
-    int root;             /* lowest new rank holding tag_max */
-    int nfailed;          /* MPIX_Comm_get_failed, as world ranks */
-    int failed[FTC_MAX_REMOVED];
-    int nrounds;
-    ftc_round rounds[FTC_MAX_ROUNDS];
+    int mpi_error;        /* the MPI error when ftc_repair fails */
+    double revoke_ms, shrink_ms, agree_ms;  /* summed over shrink rounds */
+    int shrinks;          /* communicators made (more than 1: a rank died
+                             during the repair) */
 } ftc_report;
 
-/* Allreduce sendbuf into recvbuf (distinct buffers: a failed in-place
- * reduction leaves its buffer undefined, so the contribution must survive
- * for the retry).  On a failure *comm is replaced by the shrunk
- * communicator; the caller owns it.  `tag` names the caller's program point
- * (the training step): survivors retry only while their tags agree. */
-int ftc_allreduce(const void *sendbuf, void *recvbuf, int count,
-                  MPI_Datatype datatype, MPI_Op op, MPI_Comm *comm,
-                  int tag, ftc_report *report);
+/* Classify an MPI return code: FTC_OK, FTC_FAILED or FTC_ERROR. */
+int ftc_status_of(int rc);
 
-/* Uniform agreement (bitwise AND of flag) that survives failures. */
-int ftc_agree(int *flag, MPI_Comm *comm, int tag, ftc_report *report);
+/* One attempt of an allreduce of `count` elements from sendbuf into recvbuf
+ * (distinct buffers: a failed reduction leaves recvbuf undefined, and the
+ * redo needs the contribution).  Counts are 64-bit: larger reductions go in
+ * pieces of at most ftc_max_chunk elements.  On any error the communicator is
+ * revoked, so that peers blocked in this or a later collective leave it and
+ * meet at the commit agree.  Returns an ftc_status. */
+int ftc_allreduce_try(const void *sendbuf, void *recvbuf, MPI_Count count,
+                      MPI_Datatype datatype, MPI_Op op, MPI_Comm comm);
 
-/* Revoke *comm, shrink it, agree on the result and exchange tags.  For a
- * failure the caller met outside these functions (e.g. in a broadcast). */
-int ftc_recover(MPI_Comm *comm, int tag, ftc_report *report);
+/* One attempt of a broadcast, with the same rules. */
+int ftc_bcast_try(void *buf, MPI_Count count, MPI_Datatype datatype,
+                  int root, MPI_Comm comm);
+
+/* Revoke comm (after an error met elsewhere, e.g. in an mpi4py call). */
+void ftc_revoke(MPI_Comm comm);
+
+/* The commit decision: *flag becomes the bitwise AND over the live ranks.
+ * Returns an ftc_status, FTC_FAILED when some rank did not contribute; both
+ * the flag and the status are the same on every survivor. */
+int ftc_agree(MPI_Comm comm, int *flag);
+
+/* Revoke *comm, shrink it and agree on the result, again while ranks die
+ * during the repair.  *comm is replaced by the new communicator; the one
+ * passed in stays the caller's to free, intermediate ones are freed here. */
+int ftc_repair(MPI_Comm *comm, ftc_report *report);
+
+/* Largest piece of one reduction in elements (tests set it small). */
+void ftc_set_max_chunk(MPI_Count elements);
+
+/* Arm a kill inside the next repair of this process (tests only). */
+void ftc_set_killpoint(int point);
 
 /* MPI_Finalize, but _exit(exit_code) if it has not returned within
  * timeout_s: after a failure it can hang (ompi #11404).  The watchdog is a
  * C thread because the caller may hold a lock (Python's GIL) meanwhile. */
 int ftc_finalize(double timeout_s, int exit_code);
-
-/* Arm a kill inside the next recovery of this process (tests only). */
-void ftc_set_killpoint(int point);
 
 #endif /* ULFMTRAIN_FTCOLL_H */

@@ -33,7 +33,8 @@ from ulfmtrain.checkpoint import (
     remove_stale_temporaries,
     write_checkpoint,
 )
-from ulfmtrain.faults import FaultInjector, parse_kill
+from ulfmtrain import faults
+from ulfmtrain.faults import parse_kill
 from ulfmtrain.models import MLP
 from ulfmtrain.optim import FTSGD
 
@@ -43,10 +44,12 @@ class FakeComm:
 
     def __init__(self, size: int = 4, rank: int = 0) -> None:
         self.size, self.rank, self.agreed = size, rank, []
-        self.replica = None
 
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return obj
+    def bcast_obj(self, make: Any) -> Any:
+        return make()
+
+    def bcast_bytes(self, make: Any) -> Any:
+        return make()
 
     def agree(self, flag: int) -> int:
         self.agreed.append(flag)
@@ -62,17 +65,22 @@ class FakeTrainer:
         self.model = MLP(8, hidden=hidden, classes=3)
         self.comm = FakeComm(size)
         self.opt = FTSGD(self.model.parameters(), self.comm, lr=0.1, momentum=0.9, model=self.model)
-        self.position = [0, 0]
+        self.position = [0, 0]       # epoch, steps in it: stands in for the sampler state
         self.opt.register_extra_state("position", lambda: list(self.position), self._set)
         self.spe = spe
         self.records: list[dict] = []
-        self.injector = FaultInjector(kills, 0)
+        faults.arm(kills, 0)
 
     def _set(self, pos: list[int]) -> None:
         self.position = list(pos)
 
-    def steps_per_epoch(self) -> int:
-        return self.spe
+    @property
+    def sampler(self) -> Any:
+        return SimpleNamespace(epoch=self.position[0], cursors={0: self.position[1] * 5})
+
+    @property
+    def epoch_ended(self) -> bool:
+        return self.position[1] >= self.spe
 
     def log(self, event: str, **fields: Any) -> None:
         self.records.append({"event": event, **fields})
@@ -124,7 +132,7 @@ def test_round_trip_restores_everything(tmp_path: Path) -> None:
     assert path.name == checkpoint_name(7) == "ckpt-000007.pt"
     assert read_pointer(tmp_path) == {"file": "ckpt-000007.pt", "step": 7}
     ck = read_checkpoint(path)
-    assert (ck.step, ck.header["epoch"], ck.header["position"], ck.header["world_size"]) == (7, 1, [1, 3], 4)
+    assert (ck.step, ck.header["epoch"], ck.header["records_done"], ck.header["world_size"]) == (7, 1, 15, 4)
     other = FakeTrainer(seed=99)
     assert other.opt.checksum() != tr.opt.checksum()
     other.opt.set_state(ck.sections["replica"])
@@ -315,14 +323,15 @@ def test_fresh_start_refuses_a_directory_with_checkpoints(three: Path) -> None:
         Checkpointer(three, every=5).begin(FakeTrainer())
 
 
-def test_resume_with_another_world_size_keeps_the_epoch_fraction(tmp_path: Path) -> None:
+def test_resume_with_another_world_size_hands_the_state_over(tmp_path: Path) -> None:
+    """The replicated state (sampler included) is restored whatever the world size; the sampler re-plans itself."""
     tr = FakeTrainer(size=4, spe=20)
     tr.position = [2, 10]
     write_checkpoint(tmp_path, capture(tr))
     other = FakeTrainer(size=3, spe=30)
     other.comm.size = 3
     assert Checkpointer(tmp_path, every=5, resume=True).begin(other) is True
-    assert other.position == [2, 15]
+    assert other.position == [2, 10] and other.opt.checksum() == tr.opt.checksum()
     assert [r for r in other.records if r["event"] == "resume"][0]["remapped"] is True
 
 

@@ -4,13 +4,13 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release,
                              PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE)
 from libc.string cimport memset
 from mpi4py cimport MPI
-from mpi4py.libmpi cimport MPI_Comm
+from mpi4py.libmpi cimport MPI_Comm, MPI_Count, MPI_Datatype
 
 from mpi4py import MPI as _MPI
 
 OK = FTC_OK
-RECOVERED = FTC_RECOVERED
-DIVERGED = FTC_DIVERGED
+FAILED = FTC_FAILED
+ERROR = FTC_ERROR
 KILL_NONE = FTC_KILL_NONE
 KILL_AFTER_REVOKE = FTC_KILL_AFTER_REVOKE
 KILL_AFTER_SHRINK = FTC_KILL_AFTER_SHRINK
@@ -20,40 +20,17 @@ class FaultPathError(RuntimeError):
     """An MPI error that is not a process failure."""
 
 
-cdef dict _report(ftc_report *r):
-    rounds = []
-    for i in range(min(r.nrounds, FTC_MAX_ROUNDS)):
-        rounds.append({
-            "size_after": r.rounds[i].size_after,
-            "removed": [r.rounds[i].removed[j] for j in range(r.rounds[i].nremoved)],
-        })
-    return {
-        "status": r.status, "error_class": r.error_class, "t_error": r.t_error,
-        "detect_ms": r.detect_ms, "revoke_ms": r.revoke_ms,
-        "shrink_ms": r.shrink_ms, "agree_ms": r.agree_ms,
-        "sync_ms": r.sync_ms, "retry_ms": r.retry_ms,
-        "tag_max": r.tag_max, "tag_min": r.tag_min, "root": r.root,
-        "failed": [r.failed[i] for i in range(r.nfailed)],
-        "rounds": rounds, "rounds_dropped": max(0, r.nrounds - FTC_MAX_ROUNDS),
-    }
+cdef MPI_Datatype _datatype(Py_buffer *b) except *:
+    return (<MPI.Datatype>MPI.Datatype.fromcode(b.format.decode())).ob_mpi
 
 
-cdef object _finish(int status, MPI_Comm handle, ftc_report *r):
-    if status == FTC_ERROR:
-        raise FaultPathError(_MPI.Get_error_string(r.mpi_error))
-    if status == FTC_OK:
-        return status, None, None
-    cdef MPI.Intracomm fresh = MPI.Intracomm()
-    fresh.ob_mpi = handle
-    return status, fresh, _report(r)
-
-
-def allreduce(MPI.Comm comm, sendbuf, recvbuf, MPI.Op op, int tag):
-    """Reduce sendbuf into recvbuf, repairing the communicator on failure."""
+def allreduce_try(MPI.Comm comm, sendbuf, recvbuf, MPI.Op op):
+    """Reduce sendbuf into recvbuf once; on an error revoke comm. Return OK, FAILED or ERROR."""
     cdef Py_buffer sb, rb
-    cdef ftc_report r
     cdef MPI_Comm handle = comm.ob_mpi
-    cdef int status, count
+    cdef MPI_Datatype dtype
+    cdef MPI_Count count
+    cdef int status
     PyObject_GetBuffer(sendbuf, &sb, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT)
     try:
         PyObject_GetBuffer(recvbuf, &rb, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)
@@ -62,39 +39,80 @@ def allreduce(MPI.Comm comm, sendbuf, recvbuf, MPI.Op op, int tag):
                 raise ValueError("sendbuf and recvbuf must have the same size and type")
             if sb.buf == rb.buf:
                 raise ValueError("sendbuf and recvbuf must be distinct buffers")
-            dtype = MPI.Datatype.fromcode(sb.format.decode())
-            count = <int>(sb.len // sb.itemsize)
-            memset(&r, 0, sizeof(r))
+            dtype = _datatype(&sb)
+            count = <MPI_Count>(sb.len // sb.itemsize)
             with nogil:
-                status = ftc_allreduce(sb.buf, rb.buf, count, (<MPI.Datatype>dtype).ob_mpi,
-                                       op.ob_mpi, &handle, tag, &r)
+                status = ftc_allreduce_try(sb.buf, rb.buf, count, dtype, op.ob_mpi, handle)
         finally:
             PyBuffer_Release(&rb)
     finally:
         PyBuffer_Release(&sb)
-    return _finish(status, handle, &r)
+    return status
 
 
-def agree(MPI.Comm comm, int flag, int tag):
-    """Agree on the bitwise AND of flag, repairing the communicator on failure."""
+def bcast_try(MPI.Comm comm, buf, int root):
+    """Broadcast buf from root once; on an error revoke comm. Return OK, FAILED or ERROR."""
+    cdef Py_buffer b
+    cdef MPI_Comm handle = comm.ob_mpi
+    cdef MPI_Datatype dtype
+    cdef MPI_Count count
+    cdef int status
+    PyObject_GetBuffer(buf, &b, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)
+    try:
+        dtype = _datatype(&b)
+        count = <MPI_Count>(b.len // b.itemsize)
+        with nogil:
+            status = ftc_bcast_try(b.buf, count, dtype, root, handle)
+    finally:
+        PyBuffer_Release(&b)
+    return status
+
+
+def revoke(MPI.Comm comm):
+    """Revoke comm, so that peers blocked on it leave for the commit agree."""
+    cdef MPI_Comm handle = comm.ob_mpi
+    with nogil:
+        ftc_revoke(handle)
+
+
+def status_of(int error_code):
+    """Classify an MPI error code: OK, FAILED (a process failure) or ERROR."""
+    return ftc_status_of(error_code)
+
+
+def agree(MPI.Comm comm, int flag):
+    """Return (AND of flag over the live ranks, OK or FAILED): both uniform on the survivors."""
+    cdef MPI_Comm handle = comm.ob_mpi
+    cdef int status
+    with nogil:
+        status = ftc_agree(handle, &flag)
+    return flag, status
+
+
+def repair(MPI.Comm comm):
+    """Revoke, shrink and agree; return the new communicator and the timings."""
     cdef ftc_report r
     cdef MPI_Comm handle = comm.ob_mpi
     cdef int status
     memset(&r, 0, sizeof(r))
     with nogil:
-        status = ftc_agree(&flag, &handle, tag, &r)
-    return flag, _finish(status, handle, &r)
+        status = ftc_repair(&handle, &r)
+    if status != FTC_OK:
+        raise FaultPathError(_MPI.Get_error_string(r.mpi_error))
+    cdef MPI.Intracomm fresh = MPI.Intracomm()
+    fresh.ob_mpi = handle
+    return fresh, {"revoke_ms": r.revoke_ms, "shrink_ms": r.shrink_ms,
+                   "agree_ms": r.agree_ms, "shrinks": r.shrinks}
 
 
-def recover(MPI.Comm comm, int tag):
-    """Revoke, shrink and agree after a failure met elsewhere."""
-    cdef ftc_report r
-    cdef MPI_Comm handle = comm.ob_mpi
-    cdef int status
-    memset(&r, 0, sizeof(r))
-    with nogil:
-        status = ftc_recover(&handle, tag, &r)
-    return _finish(status, handle, &r)
+def set_max_chunk(Py_ssize_t elements):
+    """Cap the elements one MPI call reduces (tests of the 64-bit path use a small cap)."""
+    ftc_set_max_chunk(<MPI_Count>elements)
+
+
+def set_killpoint(int point):
+    """Arm a SIGKILL inside this process's next repair (fault injection)."""
+    ftc_set_killpoint(point)
 
 
 def finalize(double timeout, int exit_code):
@@ -102,7 +120,3 @@ def finalize(double timeout, int exit_code):
     with nogil:
         ftc_finalize(timeout, exit_code)
 
-
-def set_killpoint(int point):
-    """Arm a SIGKILL inside this process's next recovery (fault injection)."""
-    ftc_set_killpoint(point)

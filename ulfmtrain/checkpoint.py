@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from . import faults
 from .atomic import atomic_file
 
 MAGIC = b"ULFMCKPT"
@@ -105,9 +106,8 @@ class Snapshot:
 
     step: int
     epoch: int
-    position: list[int]
+    records_done: int          # records committed so far in this epoch, over all ranks
     world_size: int
-    steps_per_epoch: int
     model: list[list]
     sections: dict[str, bytes]
     initial: bool = False
@@ -118,8 +118,7 @@ class Snapshot:
             crc = zlib.crc32(blob, crc)
         return {
             "format": FORMAT, "version": FORMAT_VERSION, "step": self.step, "epoch": self.epoch,
-            "position": self.position, "world_size": self.world_size,
-            "steps_per_epoch": self.steps_per_epoch, "model": self.model,
+            "records_done": self.records_done, "world_size": self.world_size, "model": self.model,
             "sections": [{"name": k, "bytes": len(v)} for k, v in self.sections.items()],
             "crc32": crc, "created": time.time(),
         }
@@ -132,8 +131,8 @@ class Snapshot:
 def capture(trainer: Any) -> Snapshot:
     """Snapshot the trainer's replicated state (reusing DistributedOptimizer.get_state()) and this process's RNGs."""
     return Snapshot(
-        step=trainer.opt.step_count, epoch=trainer.position[0], position=list(trainer.position),
-        world_size=trainer.comm.size, steps_per_epoch=trainer.steps_per_epoch(),
+        step=trainer.opt.step_count, epoch=trainer.sampler.epoch,
+        records_done=int(sum(trainer.sampler.cursors.values())), world_size=trainer.comm.size,
         model=model_signature(trainer.model),
         sections={"replica": trainer.opt.get_state(), "rng": pickle.dumps(rng_state(), protocol=5)})
 
@@ -457,15 +456,12 @@ class Checkpointer:
         if self._trainer is not None:
             self._log("checkpoint_warning", message=msg)
 
-    def _fault_point(self) -> Callable[[int, str], None] | None:
-        inj = self._trainer.injector
-        return inj.at if inj.active else None
 
     def _write(self, snap: Snapshot) -> WriteResult:
         """Write one snapshot durably and prune old ones (rank 0; main thread or writer thread)."""
         t0 = time.perf_counter()
         try:
-            path = write_checkpoint(self.directory, snap, fault_point=self._fault_point())
+            path = write_checkpoint(self.directory, snap, fault_point=faults.point)
             pruned = prune(self.directory, snap.step, self.keep)
         except Exception as exc:   # e.g. a full disk: report it, keep training on the previous good one
             return WriteResult(snap.step, None, (time.perf_counter() - t0) * 1e3, snap.nbytes, time.time(),
@@ -490,22 +486,8 @@ class Checkpointer:
         if self.resume:
             self._restore()
             return True
-        # Decided on rank 0 and broadcast, so that every rank stops alike.
-        problem = None
-        if self._root:
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                if has_checkpoint(self.directory):
-                    ptr = read_pointer(self.directory)
-                    what = f"step {ptr['step']}" if ptr else "old checkpoint files"
-                    problem = (f"checkpoint directory '{self.directory}' already holds checkpoints ({what}) and "
-                               "this run does not resume: pass --resume to continue from them, or use an empty --ckpt-dir")
-                else:
-                    remove_stale_temporaries(self.directory)
-            except OSError as exc:
-                problem = (f"checkpoint directory '{self.directory}' cannot be created ({exc.strerror}): "
-                           "pass a writable --ckpt-dir")
-        problem = trainer.comm.bcast(problem)
+        # Decided on the lowest rank and broadcast, so that every rank stops alike.
+        problem = trainer.comm.bcast_obj(self._check_directory)
         if problem:
             raise CheckpointError(problem)
         # A step-0 checkpoint, always blocking: a rollback then always has a
@@ -513,11 +495,27 @@ class Checkpointer:
         self._save(initial=True)
         return False
 
+    def _check_directory(self) -> str | None:
+        """Why this run cannot write its checkpoints here (None: it can)."""
+        problem = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if has_checkpoint(self.directory):
+                ptr = read_pointer(self.directory)
+                what = f"step {ptr['step']}" if ptr else "old checkpoint files"
+                problem = (f"checkpoint directory '{self.directory}' already holds checkpoints ({what}) and "
+                           "this run does not resume: pass --resume to continue from them, or use an empty --ckpt-dir")
+            else:
+                remove_stale_temporaries(self.directory)
+        except OSError as exc:
+            problem = (f"checkpoint directory '{self.directory}' cannot be created ({exc.strerror}): "
+                       "pass a writable --ckpt-dir")
+        return problem
+
     def after_step(self, trainer: Any) -> None:
         """At a step boundary: save if K steps have passed or an epoch ended (the same on every rank)."""
         step = trainer.opt.step_count
-        due = (self.every > 0 and step % self.every == 0) or (
-            self.epoch and trainer.position[1] >= trainer.steps_per_epoch())
+        due = (self.every > 0 and step % self.every == 0) or (self.epoch and trainer.epoch_ended)
         if due:
             self._save()
 
@@ -531,62 +529,63 @@ class Checkpointer:
     def _save(self, initial: bool = False) -> None:
         t0 = time.perf_counter()
         blocking = initial or self.strategy == "blocking"
-        rec: dict[str, Any] = {"strategy": "blocking" if blocking else self.strategy, "initial": initial}
-        ok = True
-        if self._root:
-            snap = capture(self._trainer)
-            snap.initial = initial
-            rec.update(step=snap.step, bytes=snap.nbytes, snapshot_ms=(time.perf_counter() - t0) * 1e3)
-            if blocking:
-                res = self._write(snap)
-                rec["write_ms"] = res.write_ms
-                ok = res.error is None
-                self._report([res])
-            else:
-                if self._writer is None:
-                    self._writer = OverlappedWriter(self._write, self.max_inflight)
-                self._report(self._writer.finished())
-                rec["queue_ms"] = self._writer.submit(snap)
-        else:
-            rec["step"] = self._trainer.opt.step_count
-        if blocking:
-            # The barrier of the blocking strategy: every rank waits for the write.
-            ok = bool(self._trainer.comm.agree(1 if ok else 0))
+        rec: dict[str, Any] = {"strategy": "blocking" if blocking else self.strategy, "initial": initial,
+                               "step": self._trainer.opt.step_count}
+        comm = self._trainer.comm
+        while True:
+            size, ok = comm.size, True
+            if self._root:
+                snap = capture(self._trainer)
+                snap.initial = initial
+                rec.update(bytes=snap.nbytes, snapshot_ms=(time.perf_counter() - t0) * 1e3)
+                if blocking:
+                    res = self._write(snap)
+                    rec["write_ms"] = res.write_ms
+                    ok = res.error is None
+                    self._report([res])
+                else:
+                    if self._writer is None:
+                        self._writer = OverlappedWriter(self._write, self.max_inflight)
+                    self._report(self._writer.finished())
+                    rec["queue_ms"] = self._writer.submit(snap)
+            if not blocking:
+                break
+            # The barrier of the blocking strategy, and its uniform verdict.  A
+            # rank that dies meanwhile (the writer, say) is repaired here, and
+            # the new lowest survivor writes the same checkpoint again.
+            ok = bool(comm.agree(1 if ok else 0))
+            if comm.size == size:
+                break
+            rec["rewritten"] = True
         rec["stall_ms"] = (time.perf_counter() - t0) * 1e3
         rec["ok"] = ok
         self.saves += 1
         self._log("checkpoint", **rec)
 
+    def _load_for_restore(self) -> tuple:
+        """On the lowest rank: the latest good checkpoint, or the error every rank will raise."""
+        try:
+            if self.directory.is_dir():
+                remove_stale_temporaries(self.directory)   # left by a writer that was killed
+            ck = load_latest(self.directory, warn=self._warn)
+            check_model(ck, self._trainer.model)
+            return ("ok", str(ck.path), ck.header, ck.sections)
+        except CheckpointError as exc:
+            return ("error", str(exc))
+
     def _restore(self) -> None:
         tr = self._trainer
         t0 = time.perf_counter()
-        msg: tuple
-        if self._root:
-            try:
-                if self.directory.is_dir():
-                    remove_stale_temporaries(self.directory)   # left by a writer that was killed
-                ck = load_latest(self.directory, warn=self._warn)
-                check_model(ck, tr.model)
-                msg = ("ok", str(ck.path), ck.header, ck.sections)
-            except CheckpointError as exc:
-                msg = ("error", str(exc))
-        msg = tr.comm.bcast(msg if self._root else None)
+        # Re-read by whichever rank is lowest when the broadcast is (re)tried.
+        msg = tr.comm.bcast_obj(self._load_for_restore)
         if msg[0] == "error":
             raise CheckpointError(msg[1])
         _, path, header, sections = msg
-        tr.opt.set_state(sections["replica"])
+        tr.opt.set_state(sections["replica"])      # the sampler state re-plans itself for this world
         set_rng_state(pickle.loads(sections["rng"]))
-        remapped = None
-        if header["world_size"] != tr.comm.size:
-            # Another world size has other steps per epoch: keep the fraction of the epoch done.
-            e, s = tr.position
-            spe_old, spe_new = header["steps_per_epoch"], tr.steps_per_epoch()
-            tr.position = [e, min(spe_new, round(s * spe_new / max(1, spe_old)))]
-            remapped = tr.position
         self._log("resume", file=Path(path).name, step=header["step"], epoch=header["epoch"],
-                  ckpt_world=header["world_size"], world=tr.comm.size, position=list(tr.position),
-                  remapped=remapped is not None, bytes=sum(len(v) for v in sections.values()),
-                  load_ms=(time.perf_counter() - t0) * 1e3)
+                  ckpt_world=header["world_size"], world=tr.comm.size, remapped=header["world_size"] != tr.comm.size,
+                  bytes=sum(len(v) for v in sections.values()), load_ms=(time.perf_counter() - t0) * 1e3)
 
 
 def checkpointer_from_args(args: Any, resume: bool = False) -> Checkpointer | None:

@@ -24,7 +24,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default=None, help="directory with train.ulfmds and test.ulfmds")
     p.add_argument("--train", dest="train_file", default=None, help="a ulfmds training file (instead of --data)")
     p.add_argument("--test", dest="test_file", default=None, help="a ulfmds test file (instead of --data)")
-    p.add_argument("--model", default="cnn", help="cnn, mlp, or package.module:factory returning an nn.Module")
+    p.add_argument("--model", default="cnn",
+                   help="cnn, cnn-bn (with batch norm), mlp, or package.module:factory returning an nn.Module")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=16, help="batch per rank (kept after a shrink)")
     p.add_argument("--lr", type=float, default=0.05)
@@ -33,8 +34,15 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reload", choices=("partial", "full"), default="partial",
                    help="after a failure read only my share of the lost records, or re-read my whole shard")
+    p.add_argument("--data-policy", choices=("exactly-once", "lossy"), default="exactly-once",
+                   help="exactly-once: a dead rank's uncommitted records of this epoch go to the survivors; "
+                        "lossy: they are skipped this epoch (later epochs still cover every record)")
+    p.add_argument("--audit", action="store_true",
+                   help="log the record ids of every step (check them with `python -m ulfmtrain audit OUT`)")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="gradient bucket size in bytes (default 25 MiB)")
     p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP[:PHASE]",
-                   help="SIGKILL a rank (repeatable); PHASE: forward, backward[=FRAC], allreduce, update, recovery, "
+                   help="SIGKILL a rank (repeatable); PHASE: forward, backward[=FRAC], allreduce, commit, update, "
+                        "recovery, "
                         "checkpoint (rank 0 only: half-way through writing that step's checkpoint)")
     p.add_argument("--out", default="ulfmtrain-out", help="directory for rank<N>.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true")
@@ -79,6 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .data import DatasetError, ShardedDataset
     from .faults import KillSpecError, parse_kills
     from .models import build_model
+    from .optim import FTSGD
     from .trainer import TrainConfig, Trainer
 
     torch.set_num_threads(1)   # one rank per core; more threads only fight
@@ -107,6 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from exc
         config = TrainConfig(epochs=args.epochs, batch=args.batch, lr=args.lr, momentum=args.momentum,
                              weight_decay=args.weight_decay, seed=args.seed, reload=args.reload,
+                             data_policy=args.data_policy, audit=args.audit,
                              progress=not args.no_progress, recovery=args.recovery)
         Path(args.out).mkdir(parents=True, exist_ok=True)
 
@@ -114,7 +124,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             error = None
             t_init, t0 = time.time(), time.perf_counter()
             try:
-                trainer = Trainer(model, comm, train_path, test_path, config, kills, args.out,
+                optimizer = None
+                if args.bucket_bytes:
+                    optimizer = FTSGD(model.parameters(), comm, lr=config.lr, momentum=config.momentum,
+                                      weight_decay=config.weight_decay, model=model, bucket_bytes=args.bucket_bytes)
+                trainer = Trainer(model, comm, train_path, test_path, config, kills, args.out, optimizer=optimizer,
                                   checkpointer=checkpointer_from_args(args, resume))
             except DatasetError as exc:   # e.g. a corrupt record in my shard only
                 error = exc
@@ -139,8 +153,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             summary = trainer.fit()
         if comm.rank == 0:
             acc = summary["test_acc"]
-            print(f"{PROG}: {summary['steps']} steps, world {summary['world_history']}, "
-                  f"test accuracy {acc:.4f}" if acc is not None else "", flush=True)
+            tail = f", test accuracy {acc:.4f}" if acc is not None else ""
+            print(f"{PROG}: {summary['steps']} steps, world {summary['world_history']}{tail}", flush=True)
     except _PeerFailed:
         return _finalize(2, args.finalize_timeout)
     except Exception as exc:
@@ -215,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="cnn")
     p.add_argument("--timeout", type=float, default=600.0)
 
-    from . import compare, supervise   # light imports: no MPI, no torch
+    from . import audit, compare, supervise   # light imports: no MPI, no torch
+    audit.add_arguments(sub.add_parser(
+        "audit", help="check from a run's logs (train --audit) that every record was seen exactly once per epoch"))
     supervise.add_arguments(sub.add_parser(
         "supervise", help="checkpoint-restart: relaunch mpirun from the latest checkpoint after a failure"))
     compare.add_arguments(sub.add_parser(
@@ -254,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "supervise":
             from .supervise import main as supervise_main
             return supervise_main(args)
+        if args.command == "audit":
+            from .audit import main as audit_main
+            return audit_main(args.out)
         if args.command == "compare":
             from .compare import main as compare_main
             return compare_main(args)

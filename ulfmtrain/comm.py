@@ -1,36 +1,45 @@
-"""FaultTolerantComm: what a process failure means for the job, on top of the C fault path.
+"""FaultTolerantComm: every collective as a transaction with one uniform commit decision.
 
-The C layer (csrc/ftcoll.c) repairs the communicator.  This module keeps the
-policy: the log of recovery events with their timings, the history of world
-sizes, the listeners that re-shard data, and the rule that brings survivors
-level when outcomes were not uniform (some completed step k, others did not):
-the most advanced survivor broadcasts its state to the ones behind, which then
-redo their step from the new position (`RolledForward`).
+The C layer (csrc/ftcoll.c) runs attempts with errors returned, agrees and
+repairs.  This module keeps the policy:
+
+* `transaction(attempt, commit)`: each rank runs `attempt` on the current
+  communicator (a rank that meets an error revokes it, so no peer waits for
+  it), then every survivor takes part in one `MPIX_Comm_agree` on "my attempt
+  completed".  The agreed flag, and whether a rank died, are the same on every
+  survivor.  If the flag is 1, `commit` runs; then, if a rank died, the
+  communicator is repaired.  If the flag is 0 the attempt is redone on the
+  repaired communicator.  So no survivor can ever be a step ahead of another.
+* the log of recovery events with their timings, the history of world sizes,
+  and the listeners (data re-planning) called after each repair.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _ftcoll
 
-FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
-# Repaired after a failure met in Python: unlike RECOVERED (the C path already
-# retried), the interrupted call has not completed and must run again.
-_REPAIRED = -1
+T = TypeVar("T")
+FaultPathError = _ftcoll.FaultPathError
 
 
 class FaultToleranceUnavailable(RuntimeError):
     """ULFM fault tolerance is not active in this run."""
 
 
-class RolledForward(Exception):
-    """This rank was behind and took a more advanced survivor's state: redo the step from there."""
+class AttemptFailed(Exception):
+    """An attempt met an MPI error (the communicator is already revoked): go to the commit agree."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 def require_fault_tolerance() -> None:
@@ -52,59 +61,48 @@ def world_ranks(comm: MPI.Comm) -> list[int]:
                                           MPI.COMM_WORLD.Get_group()))
 
 
-class Replica(Protocol):
-    """The state that must be identical on every survivor."""
-
-    def tag(self) -> int: ...
-    def get_state(self) -> bytes: ...
-    def set_state(self, blob: bytes) -> None: ...
-
-
 @dataclass
 class RecoveryEvent:
     """One repair of the communicator, as this rank saw it."""
 
-    tag: int
-    status: str                 # "recovered" (retried in C) or "diverged" (state broadcast)
-    error_class: int
-    wall_error: float           # time.time() of the first error
-    detect_ms: float
+    step: int                   # the caller's step counter when the failure was met
+    what: str                   # the transaction that met it ("step", "bcast", "agree", ...)
+    committed: bool             # True: the attempt committed (a rank died in the commit agree)
+    wall_error: float           # time.time() when this rank learned of the failure
+    detect_ms: float            # from the start of the failed attempt to its error (0: it completed here)
+    commit_agree_ms: float      # the commit agree that returned the failure
     revoke_ms: float
     shrink_ms: float
-    agree_ms: float
-    sync_ms: float              # the tag exchange after the shrink
-    retry_ms: float
+    agree_ms: float             # the agree on the new communicator
+    shrinks: int                # more than 1: a rank died during the repair
     size_before: int
     size_after: int
-    failed: list[int]           # MPIX_Comm_get_failed, as world ranks
-    rounds: list[dict]          # one per shrink: size_after and removed world ranks
-    extra: dict[str, Any] = field(default_factory=dict)  # filled by listeners (reload, state sync)
-
-    @property
-    def removed(self) -> list[int]:
-        return sorted(r for rd in self.rounds for r in rd["removed"])
+    removed: list[int]          # world ranks the repair left out (group difference, computed here)
+    redo_ms: float = 0.0        # the redone attempt on the repaired communicator
+    extra: dict[str, Any] = field(default_factory=dict)  # filled by listeners (reload)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(d.pop("extra"))
-        d["removed"] = self.removed
         return d
 
 
-class FaultTolerantComm:
-    """A communicator that survives process failures and keeps training level."""
+Listener = Callable[[RecoveryEvent], None]
 
-    def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool = True) -> None:
-        if check:
-            require_fault_tolerance()
-        self.comm: MPI.Intracomm = (comm or MPI.COMM_WORLD).Dup()
-        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+
+class _CommBase:
+    """What every communicator wrapper keeps: world rank, survivors, history, events, listeners."""
+
+    comm: MPI.Intracomm
+
+    def _setup(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
         self.world_rank = MPI.COMM_WORLD.Get_rank()
-        self.alive = world_ranks(self.comm)
+        self.alive = world_ranks(comm)
         self.world_history = [self.size]
         self.events: list[RecoveryEvent] = []
-        self.replica: Replica | None = None
-        self._listeners: list[Callable[[RecoveryEvent], None]] = []
+        self.step = 0               # the caller's step counter, for the event log
+        self._listeners: list[Listener] = []
 
     @property
     def rank(self) -> int:
@@ -114,133 +112,167 @@ class FaultTolerantComm:
     def size(self) -> int:
         return self.comm.Get_size()
 
-    def add_listener(self, fn: Callable[[RecoveryEvent], None]) -> None:
-        """Call fn(event) after every repair, before the interrupted work goes on."""
+    def add_listener(self, fn: Listener) -> None:
+        """Call fn(event) after every repair (after the commit decision it followed)."""
         self._listeners.append(fn)
 
-    def allreduce(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
-        """Reduce send into recv over the survivors (out of place, so a retry can reuse send)."""
-        first = _ftcoll.allreduce(self.comm, send, recv, op, self._tag())
-        if first[0] != _ftcoll.OK:   # the failure-free path stays a single call into C
-            self._repairing(lambda tag: _ftcoll.allreduce(self.comm, send, recv, op, tag), first)
+    def bcast_obj(self, make: Callable[[], Any]) -> Any:
+        """Broadcast the object that make() returns on the lowest survivor."""
+        return pickle.loads(self.bcast_bytes(lambda: pickle.dumps(make(), protocol=5)))
 
-    def agree(self, flag: int) -> int:
-        """Return the bitwise AND of flag over the survivors, uniformly."""
-        out = [flag]
+    def bcast_bytes(self, make: Callable[[], bytes]) -> bytes:  # pragma: no cover - overridden
+        raise NotImplementedError
 
-        def run(tag: int):
-            out[0], result = _ftcoll.agree(self.comm, flag, tag)
-            return result
 
-        self._repairing(run)
-        return out[0]
+class FaultTolerantComm(_CommBase):
+    """A communicator that survives process failures: every collective commits uniformly or is redone."""
 
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast a Python object, repairing the communicator on failure.
+    def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool = True) -> None:
+        if check:
+            require_fault_tolerance()
+        self._setup(_fault_tolerant_dup(comm or MPI.COMM_WORLD))
 
-        A broadcast can complete on some ranks and fail on others.  Give it
-        its own replica tag (as Trainer does for the initial state), so that a
-        rank that must repeat it is seen as behind the ranks that went on.
+    # -- the transaction -------------------------------------------------
+    def transaction(self, attempt: Callable[[int], T], commit: Callable[[T], None] | None = None, *,
+                    what: str = "step", before_agree: Callable[[], None] | None = None) -> T:
+        """Run attempt(n) (n counts the attempts) until every survivor commits; return its result.
+
+        commit(result) runs on every survivor, once, before a repair that the
+        commit agree may call for, so listeners see the committed state.
         """
-        out = [obj]
-
-        def run(tag: int):
-            try:
-                out[0] = self.comm.bcast(obj, root=root)
-                return _ftcoll.OK, None, None
-            except MPI.Exception as exc:
-                return self._python_failure(exc, tag)
-
-        self._repairing(run)
-        return out[0]
-
-    def _tag(self) -> int:
-        return self.replica.tag() if self.replica is not None else 0
-
-    def _repairing(self, run: Callable[[int], tuple], result: tuple | None = None) -> None:
-        """Run (or take the result of a first run) until it completes on a repaired communicator."""
+        n = 0
         while True:
-            status, fresh, report = result if result is not None else run(self._tag())
-            if status == _ftcoll.OK:
-                return
-            self._adopt(fresh, report, status)
-            if status == _ftcoll.RECOVERED:
-                return
-            if status == _ftcoll.DIVERGED:
-                self._level(report)
-            result = None         # retry `run` on the repaired communicator
+            t0 = MPI.Wtime()
+            status, result = _ftcoll.OK, None
+            try:
+                result = attempt(n)
+            except AttemptFailed as exc:
+                status = exc.status
+            except MPI.Exception as exc:        # an mpi4py call inside the attempt
+                _ftcoll.revoke(self.comm)
+                status = _ftcoll.status_of(exc.Get_error_code())
+            t_error = MPI.Wtime()
+            if before_agree is not None:
+                before_agree()
+            flag, agreed = _ftcoll.agree(self.comm, 1 if status == _ftcoll.OK else 0)
+            agree_ms = (MPI.Wtime() - t_error) * 1e3
+            if flag and commit is not None:
+                commit(result)              # type: ignore[arg-type]
+            if agreed == _ftcoll.OK and flag:
+                if n and self.events:
+                    self.events[-1].redo_ms = (t_error - t0) * 1e3
+                return result               # type: ignore[return-value]
+            if agreed != _ftcoll.FAILED:
+                # Every survivor sees the same flag 0 with nobody dead: a real error, raised everywhere.
+                raise FaultPathError(f"{what}: an MPI error that is not a process failure (no rank died)")
+            self._repair(what, bool(flag), t0 if status != _ftcoll.OK else t_error, t_error, agree_ms)
+            if flag:
+                return result               # type: ignore[return-value]
+            n += 1
 
-    def _python_failure(self, exc: MPI.Exception, tag: int) -> tuple:
-        """Turn a failure met in an mpi4py call into a repair through the C path."""
-        if exc.Get_error_class() not in FAILURE_CLASSES:
-            raise exc
-        t_error = MPI.Wtime()
-        status, fresh, report = _ftcoll.recover(self.comm, tag)
-        report["error_class"], report["t_error"] = exc.Get_error_class(), t_error
-        return (_REPAIRED if status == _ftcoll.RECOVERED else status), fresh, report
-
-    def _adopt(self, fresh: MPI.Intracomm, report: dict, status: int) -> None:
-        size_before, alive_before = self.size, self.alive
-        gone = {r for rd in report["rounds"] for r in rd["removed"]}
+    def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
+        old, size_before, alive_before = self.comm, self.size, self.alive
+        wall_error = time.time() - (MPI.Wtime() - t_error)
+        fresh, report = _ftcoll.repair(old)
         self.comm = fresh
+        # Every survivor has left `old` (the shrink on it completed everywhere).
+        old.Free()
         self.alive = world_ranks(fresh)
-        if report["rounds_dropped"]:
-            # More shrinks than the C report holds: fall back to one round.
-            report["rounds"] = [{"size_after": self.size, "removed": sorted(set(alive_before) - set(self.alive))}]
         self.world_history.append(self.size)
         event = RecoveryEvent(
-            tag=self._tag(), status="diverged" if status == _ftcoll.DIVERGED else "recovered",
-            error_class=report["error_class"],
-            wall_error=time.time() - (MPI.Wtime() - report["t_error"]) if report["t_error"] else time.time(),
-            detect_ms=report["detect_ms"], revoke_ms=report["revoke_ms"],
-            shrink_ms=report["shrink_ms"], agree_ms=report["agree_ms"],
-            sync_ms=report["sync_ms"], retry_ms=report["retry_ms"],
-            size_before=size_before, size_after=self.size,
-            failed=report["failed"], rounds=report["rounds"])
-        assert gone.isdisjoint(self.alive), "a removed rank is still in the communicator"
+            step=self.step, what=what, committed=committed, wall_error=wall_error,
+            detect_ms=(t_error - t_start) * 1e3, commit_agree_ms=agree_ms,
+            revoke_ms=report["revoke_ms"], shrink_ms=report["shrink_ms"], agree_ms=report["agree_ms"],
+            shrinks=report["shrinks"], size_before=size_before, size_after=self.size,
+            removed=sorted(set(alive_before) - set(self.alive)))
         self.events.append(event)
         for fn in self._listeners:
             fn(event)
 
-    def _level(self, report: dict) -> None:
-        """Bring every survivor to the most advanced one's state."""
-        if self.replica is None:
-            raise RuntimeError("survivors diverged and no replica state is registered to level them")
-        rolled = False
-        t0 = time.perf_counter()
-        while report["tag_min"] != report["tag_max"]:
-            root, behind = report["root"], self._tag() < report["tag_max"]
-            try:
-                blob = self.comm.bcast(self.replica.get_state() if self.rank == root else None, root=root)
-                if behind:
-                    self.replica.set_state(blob)
-                    rolled = True
-                self.events[-1].extra.update(state_sync_ms=(time.perf_counter() - t0) * 1e3,
-                                             state_bytes=len(blob), behind=behind)
-                break
-            except MPI.Exception as exc:
-                status, fresh, report = self._python_failure(exc, self._tag())
-                self._adopt(fresh, report, status)
-        if rolled:
-            raise RolledForward(f"rank {self.world_rank} rolled forward to step {self._tag()}")
+    # -- collectives built on it -----------------------------------------
+    def _check(self, status: int) -> None:
+        if status != _ftcoll.OK:
+            raise AttemptFailed(status)
+
+    def allreduce(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
+        """Reduce send into recv over the survivors (out of place: a redo needs send)."""
+        self.transaction(lambda _: self._check(_ftcoll.allreduce_try(self.comm, send, recv, op)),
+                         what="allreduce")
+
+    def reduce_try(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
+        """One attempt of a reduction, inside a transaction (raises AttemptFailed)."""
+        self._check(_ftcoll.allreduce_try(self.comm, send, recv, op))
+
+    def agree(self, flag: int) -> int:
+        """Return the bitwise AND of flag over the survivors, uniformly; repair if a rank died."""
+        value, status = _ftcoll.agree(self.comm, flag)
+        if status == _ftcoll.FAILED:
+            t = MPI.Wtime()
+            self._repair("agree", True, t, t, 0.0)
+        return value
+
+    def bcast_bytes(self, make: Callable[[], bytes]) -> bytes:
+        """Broadcast bytes from the lowest survivor, as buffers (no pickle of a large payload).
+
+        make() runs on the root of each attempt: after a repair the new lowest
+        survivor is the root and builds the payload again from its own state.
+        """
+        def attempt(_: int) -> bytes:
+            size = np.zeros(1, dtype=np.int64)
+            if self.rank == 0:
+                data = np.frombuffer(bytearray(make()), dtype=np.uint8)
+                size[0] = data.size
+            self._check(_ftcoll.bcast_try(self.comm, size, 0))
+            if self.rank != 0:
+                data = np.empty(int(size[0]), dtype=np.uint8)
+            self._check(_ftcoll.bcast_try(self.comm, data, 0))
+            return data.tobytes()
+
+        return self.transaction(attempt, what="bcast")
+
+    def finalize(self, timeout: float = 5.0, exit_code: int = 0) -> int:
+        """MPI_Finalize, bounded: after a failure it can hang (ompi #11404)."""
+        from .lifecycle import finalize
+        return finalize(timeout, exit_code)
 
 
-class PlainComm:
+def _fault_tolerant_dup(base: MPI.Intracomm) -> MPI.Intracomm:
+    """A private communicator made with shrink: unlike Dup, it completes while peers die."""
+    base.Set_errhandler(MPI.ERRORS_RETURN)
+    while True:
+        try:
+            comm = base.Shrink()
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+        except MPI.Exception as exc:
+            if _ftcoll.status_of(exc.Get_error_code()) != _ftcoll.FAILED:
+                raise
+            continue
+        # Agree before first use, so no peer is still building it.
+        _, status = _ftcoll.agree(comm, 1)
+        if status == _ftcoll.OK:
+            return comm
+        fresh, _ = _ftcoll.repair(comm)
+        comm.Free()
+        return fresh
+
+
+class PlainComm(_CommBase):
     """The same interface on plain mpi4py collectives, without fault tolerance (baselines, tests)."""
 
     def __init__(self, comm: MPI.Intracomm | None = None) -> None:
-        self.comm = (comm or MPI.COMM_WORLD).Dup()
-        self.world_rank = MPI.COMM_WORLD.Get_rank()
-        self.alive = world_ranks(self.comm)
-        self.world_history = [self.size]
-        self.events: list[RecoveryEvent] = []
-        self.replica: Replica | None = None
+        self._setup((comm or MPI.COMM_WORLD).Dup())
 
-    rank = FaultTolerantComm.rank
-    size = FaultTolerantComm.size
+    def transaction(self, attempt: Callable[[int], T], commit: Callable[[T], None] | None = None, *,
+                    what: str = "step", before_agree: Callable[[], None] | None = None) -> T:
+        result = attempt(0)
+        if before_agree is not None:
+            before_agree()
+        if commit is not None:
+            commit(result)
+        return result
 
-    def add_listener(self, fn: Callable[[RecoveryEvent], None]) -> None:
-        """Accept a listener that is never called: a plain communicator does not recover."""
+    def reduce_try(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
+        self.comm.Allreduce(send, recv, op=op)
 
     def allreduce(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(send, recv, op=op)
@@ -248,5 +280,9 @@ class PlainComm:
     def agree(self, flag: int) -> int:
         return self.comm.allreduce(flag, op=MPI.BAND)
 
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return self.comm.bcast(obj, root=root)
+    def bcast_bytes(self, make: Callable[[], bytes]) -> bytes:
+        return self.comm.bcast(make() if self.rank == 0 else None, root=0)
+
+    def finalize(self, timeout: float = 5.0, exit_code: int = 0) -> int:
+        from .lifecycle import finalize
+        return finalize(timeout, exit_code)

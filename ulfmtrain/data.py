@@ -940,6 +940,18 @@ class LocalShard:
         self.holdings = target
         return self.dataset.bytes_read - before, time.perf_counter() - t0
 
-    def batch_indices(self, epoch: int, seed: int) -> np.ndarray:
-        """Return a permutation of ``range(len(self))`` seeded by ``(seed, epoch)``."""
-        return np.random.default_rng([seed, epoch]).permutation(len(self))
+    def index_of(self, ids: np.ndarray) -> np.ndarray:
+        """Storage indices of record ids (the same records whatever the reload mode stored them in)."""
+        starts = np.array([a for a, _ in self.order], dtype=np.int64)
+        stops = np.array([b for _, b in self.order], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(stops - starts)[:-1]]).astype(np.int64)
+        by_start = np.argsort(starts)
+        ids = np.asarray(ids, dtype=np.int64)
+        i = by_start[np.searchsorted(starts[by_start], ids, side="right") - 1] if len(starts) else by_start
+        if len(ids) and (len(starts) == 0 or np.any(ids >= stops[i]) or np.any(ids < starts[i])):
+            raise ValueError(f"records {sorted(set(ids.tolist()) - set(self.ids().tolist()))[:5]} are not in this shard")
+        return offsets[i] + ids - starts[i]
+
+    def ids(self) -> np.ndarray:
+        """Every held record id, in storage order."""
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.order] or [np.empty(0, np.int64)])

@@ -1,7 +1,8 @@
 """Fault injection: kill schedules (RANK@STEP[:PHASE]) and the points where a rank SIGKILLs itself.
 
-Everything that injects a failure lives here.  With no kill scheduled for
-this rank, every hook is a lookup in an empty dict.
+Everything that injects a failure lives here, behind one seam: the runtime
+calls `point(step, phase)` at each program point, a no-op until `arm()` gives
+this rank a schedule.
 """
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import signal
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+# "allreduce": between two buckets of the step's reduction (after the sample count, with one bucket);
+# "commit": right before the commit agree; "recovery": inside the next repair, after the shrink;
 # "checkpoint": rank 0 dies half-way through writing the checkpoint of STEP (checkpoint.py calls it).
-PHASES = ("forward", "backward", "allreduce", "update", "recovery", "checkpoint")
+PHASES = ("forward", "backward", "allreduce", "commit", "update", "recovery", "checkpoint")
 DEFAULT_BACKWARD_FRACTION = 0.5
 _SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?$")
 _HELP = ("expected RANK@STEP[:PHASE], PHASE one of forward, backward[=FRACTION], "
-         "allreduce, update, recovery, checkpoint (e.g. 1@300 or 2@40:backward=0.25)")
+         "allreduce, commit, update, recovery, checkpoint (e.g. 1@300 or 2@40:backward=0.25)")
 
 
 class KillSpecError(ValueError):
@@ -137,3 +140,24 @@ class FaultInjector:
         if self._log:
             self._log("kill", step=kill.step, phase=kill.phase, spec=str(kill))
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_armed: FaultInjector | None = None
+
+
+def arm(kills: Iterable[Kill], world_rank: int, log: Callable[..., None] | None = None) -> FaultInjector:
+    """Give this rank its part of a kill schedule; point() carries it out."""
+    global _armed
+    _armed = FaultInjector(kills, world_rank, log)
+    return _armed
+
+
+def point(step: int, phase: str) -> None:
+    """A program point: die here if this rank's schedule says so (a no-op when nothing is armed)."""
+    if _armed is not None:
+        _armed.at(step, phase)
+
+
+def watch_backward(params: list, step: int) -> list:
+    """Hooks that kill this rank part-way through backward, if scheduled (remove them after backward)."""
+    return _armed.watch_backward(params, step) if _armed is not None else []

@@ -22,6 +22,20 @@ class DigitsCNN(nn.Module):
         return self.head(self.features(x))
 
 
+class DigitsCNNBN(nn.Module):
+    """The digits CNN with batch normalization: buffers (running statistics) every replica must share."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
 class MLP(nn.Module):
     """A multi-layer perceptron over flattened inputs."""
 
@@ -38,18 +52,18 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": DigitsCNN, "mlp": MLP}
+MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": DigitsCNN, "cnn-bn": DigitsCNNBN, "mlp": MLP}
 
 
 def build_model(name: str, inputs: int = 64, classes: int = 10) -> nn.Module:
-    """Build 'cnn', 'mlp', or 'package.module:factory' (a callable returning an nn.Module)."""
-    if name == "cnn":
-        return DigitsCNN(classes)
+    """Build 'cnn', 'cnn-bn', 'mlp', or 'package.module:factory' (a callable returning an nn.Module)."""
     if name == "mlp":
         return MLP(inputs, classes=classes)
+    if name in MODELS:
+        return MODELS[name](classes)
     module, sep, attr = name.partition(":")
     if not sep:
-        raise ValueError(f"unknown model {name!r}: use cnn, mlp or package.module:factory")
+        raise ValueError(f"unknown model {name!r}: use {', '.join(MODELS)} or package.module:factory")
     try:
         factory = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:

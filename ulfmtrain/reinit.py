@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
+from . import _ftcoll
 from .comm import FaultTolerantComm
 from .faults import Kill, parse_kill
 
@@ -34,7 +35,7 @@ class GlobalRestart(Exception):
     """A rank failed: the survivors hold the shrunk communicator and must rebuild the world."""
 
     def __init__(self, shrunk: MPI.Intracomm, report: dict, wall_error: float, t_shrunk: float) -> None:
-        super().__init__(f"a rank failed (error class {report['error_class']}): global restart")
+        super().__init__(f"a rank failed during {report['what']}: global restart")
         self.shrunk, self.report, self.wall_error, self.t_shrunk = shrunk, report, wall_error, t_shrunk
 
 
@@ -54,11 +55,12 @@ class ReinitComm(FaultTolerantComm):
         self.replacement = False          # True in a process spawned by a rebuild
         self.joined: dict[str, Any] = {}  # what a replacement logs about the rebuild that made it
 
-    def _adopt(self, fresh: MPI.Intracomm, report: dict, status: int) -> None:
+    def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
         # No shrink-and-continue: unwind to fit_with_reinit with the shrunk communicator.
-        now = time.time()
-        wall_error = now - (MPI.Wtime() - report["t_error"]) if report["t_error"] else now
-        raise GlobalRestart(fresh, report, wall_error, now)
+        wall_error = time.time() - (MPI.Wtime() - t_error)
+        fresh, report = _ftcoll.repair(self.comm)
+        report.update(what=what, detect_ms=(t_error - t_start) * 1e3, commit_agree_ms=agree_ms)
+        raise GlobalRestart(fresh, report, wall_error, time.time())
 
 
 def child_argv(argv: Sequence[str], dead: set[int]) -> list[str]:
@@ -110,36 +112,35 @@ def rebuild_world(g: GlobalRestart, old: ReinitComm, argv: Sequence[str]) -> tup
     dead = sorted(set(range(old.target)) - set(slots))
     r = g.report
     info: dict[str, Any] = {
-        "wall_error": g.wall_error, "t_shrunk": g.t_shrunk, "error_class": r["error_class"],
+        "wall_error": g.wall_error, "t_shrunk": g.t_shrunk, "failed_in": r["what"],
         "detect_ms": r["detect_ms"], "revoke_ms": r["revoke_ms"], "shrink_ms": r["shrink_ms"],
         "agree_ms": r["agree_ms"], "dead": dead, "size_before": old.size, "survivors": len(slots),
         "t_spawn": time.time(), "spawned": 0, "spawn_ok": False}
     history = old.world_history + [shrunk.Get_size()]
     timer = _watchdog(f"spawning {len(dead)} replacement(s)")
+    # Cancelled only on success: a rebuild that threw must not hang the exit either.
     try:
-        try:
-            # Started like this process (-P: a source tree in the working directory must not shadow it).
-            flags = ["-P"] if getattr(sys.flags, "safe_path", False) else []
-            inter = shrunk.Spawn(sys.executable, [*flags, "-m", "ulfmtrain", *child_argv(argv, set(dead))],
-                                 maxprocs=len(dead), root=0)
-        except MPI.Exception as exc:
-            inter, info["spawn_error"] = None, exc.Get_error_string()
-        # Every survivor must take the same branch.
-        ok = shrunk.allreduce(inter is not None, op=MPI.LAND)
-        info["t_spawned"] = time.time()
-        if not ok:
-            print(f"ulfmtrain: warning: MPI_Comm_spawn failed ({info.get('spawn_error', 'on another rank')}); "
-                  f"rolling back on the {len(slots)} survivors", file=sys.stderr, flush=True)
-            merged = shrunk
-        else:
-            merged = inter.Merge(high=False)     # survivors first
-            info.update(spawn_ok=True, spawned=len(dead))
-            merged.bcast({"slots": dead, "survivors": len(slots), "target": old.target,
-                          "history": history, "info": info}, root=0)
-        info["t_merged"] = time.time()
-        comm = _world(merged, old.world_rank, old.target, history)
-    finally:
-        timer.cancel()
+        # Started like this process (-P: a source tree in the working directory must not shadow it).
+        flags = ["-P"] if getattr(sys.flags, "safe_path", False) else []
+        inter = shrunk.Spawn(sys.executable, [*flags, "-m", "ulfmtrain", *child_argv(argv, set(dead))],
+                             maxprocs=len(dead), root=0)
+    except MPI.Exception as exc:
+        inter, info["spawn_error"] = None, exc.Get_error_string()
+    # Every survivor must take the same branch.
+    ok = shrunk.allreduce(inter is not None, op=MPI.LAND)
+    info["t_spawned"] = time.time()
+    if not ok:
+        print(f"ulfmtrain: warning: MPI_Comm_spawn failed ({info.get('spawn_error', 'on another rank')}); "
+              f"rolling back on the {len(slots)} survivors", file=sys.stderr, flush=True)
+        merged = shrunk
+    else:
+        merged = inter.Merge(high=False)     # survivors first
+        info.update(spawn_ok=True, spawned=len(dead))
+        merged.bcast({"slots": dead, "survivors": len(slots), "target": old.target,
+                      "history": history, "info": info}, root=0)
+    info["t_merged"] = time.time()
+    comm = _world(merged, old.world_rank, old.target, history)
+    timer.cancel()
     info.update(t_world=time.time(), size_after=comm.size)
     return comm, info
 
@@ -150,14 +151,13 @@ def join_world() -> ReinitComm:
     if parent == MPI.COMM_NULL:
         return ReinitComm(MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
     timer = _watchdog("joining the survivors")
-    try:
-        merged = parent.Merge(high=True)
-        plan = merged.bcast(None, root=0)
-        slot = plan["slots"][merged.Get_rank() - plan["survivors"]]
-        info = dict(plan["info"], t_merged=time.time())
-        comm = _world(merged, slot, plan["target"], plan["history"])
-    finally:
-        timer.cancel()
+    # Cancelled only on success: a rebuild that threw must not hang the exit either.
+    merged = parent.Merge(high=True)
+    plan = merged.bcast(None, root=0)
+    slot = plan["slots"][merged.Get_rank() - plan["survivors"]]
+    info = dict(plan["info"], t_merged=time.time())
+    comm = _world(merged, slot, plan["target"], plan["history"])
+    timer.cancel()
     comm.replacement = True
     comm.joined = dict(info, t_world=time.time(), size_after=comm.size, replacement=True)
     return comm

@@ -29,27 +29,51 @@ def test_ft_allreduce_equals_plain(comm, dtype, n):
     rng = np.random.default_rng(comm.Get_rank() * 7919 + n)
     send = (rng.standard_normal(n) * 100).astype(dtype)
     ours, plain = np.empty_like(send), np.empty_like(send)
-    status, fresh, report = _ftcoll.allreduce(comm, send, ours, MPI.SUM, 0)
+    status = _ftcoll.allreduce_try(comm, send, ours, MPI.SUM)
     comm.Allreduce(send, plain, op=MPI.SUM)
-    assert (status, fresh, report) == (_ftcoll.OK, None, None)
+    assert status == _ftcoll.OK
     assert np.array_equal(ours, plain)      # bit for bit: the same reduction
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_reduction_and_broadcast_equal_one_call(comm, chunk):
+    """The 64-bit count path: a reduction sent in pieces (as one over 2**31 elements is) equals one call."""
+    send = np.arange(1000, dtype=np.float64) * (comm.Get_rank() + 1)
+    ours, plain = np.empty_like(send), np.empty_like(send)
+    comm.Allreduce(send, plain, op=MPI.SUM)
+    _ftcoll.set_max_chunk(chunk)
+    try:
+        assert _ftcoll.allreduce_try(comm, send, ours, MPI.SUM) == _ftcoll.OK
+        buf = send.copy() if comm.Get_rank() == 0 else np.zeros_like(send)
+        assert _ftcoll.bcast_try(comm, buf, 0) == _ftcoll.OK
+    finally:
+        _ftcoll.set_max_chunk(2**31 - 1)
+    assert np.array_equal(ours, plain) and np.array_equal(buf, np.arange(1000, dtype=np.float64))
 
 
 def test_ft_allreduce_max_and_agree(comm):
     send = np.array([comm.Get_rank()], dtype=np.int64)
     out = np.empty_like(send)
-    assert _ftcoll.allreduce(comm, send, out, MPI.MAX, 0)[0] == _ftcoll.OK
+    assert _ftcoll.allreduce_try(comm, send, out, MPI.MAX) == _ftcoll.OK
     assert out[0] == comm.Get_size() - 1
-    flag, (status, _, _) = _ftcoll.agree(comm, 0b1110 | (comm.Get_rank() == 0), 0)
+    flag, status = _ftcoll.agree(comm, 0b1110 | (comm.Get_rank() == 0))
     assert status == _ftcoll.OK and flag == (0b1111 if comm.Get_size() == 1 else 0b1110)
 
 
 def test_buffers_are_checked(comm):
     a = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="distinct"):
-        _ftcoll.allreduce(comm, a, a, MPI.SUM, 0)
+        _ftcoll.allreduce_try(comm, a, a, MPI.SUM)
     with pytest.raises(ValueError, match="same size"):
-        _ftcoll.allreduce(comm, a, np.zeros(5, np.float32), MPI.SUM, 0)
+        _ftcoll.allreduce_try(comm, a, np.zeros(5, np.float32), MPI.SUM)
+
+
+def test_transaction_commits_once_and_bcast_takes_the_lowest_rank():
+    ft = FaultTolerantComm()
+    commits = []
+    assert ft.transaction(lambda n: n, commits.append) == 0 and commits == [0]
+    got = ft.bcast_obj(lambda: {"from": ft.rank, "big": b"x" * (3 << 20)})   # multi-MB goes as buffers
+    assert got["from"] == 0 and len(got["big"]) == 3 << 20
 
 
 def test_world_history_without_failure():

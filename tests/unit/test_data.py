@@ -556,10 +556,16 @@ def test_local_shard_rejects_foreign_plan(digits_ds: ShardedDataset) -> None:
         shard.apply(plan, 0)  # plan for rank 0 was not made from rank 2's records
 
 
-def test_batch_indices(digits_ds: ShardedDataset) -> None:
-    shard = LocalShard(digits_ds, [(0, 100), (200, 250)])
-    idx = shard.batch_indices(epoch=3, seed=7)
-    assert sorted(idx.tolist()) == list(range(150))
-    np.testing.assert_array_equal(idx, shard.batch_indices(epoch=3, seed=7))
-    assert not np.array_equal(idx, shard.batch_indices(epoch=4, seed=7))
-    np.testing.assert_array_equal(idx, np.random.default_rng([7, 3]).permutation(150))
+def test_index_of_maps_record_ids_whatever_the_storage_order(digits_ds: ShardedDataset) -> None:
+    """A partial reload appends a segment, a full one re-reads in order: the same ids give the same records."""
+    part = LocalShard(digits_ds, [(200, 250)])
+    plan = plan_recovery({0: [(200, 250)], 1: [(0, 100)]}, [1], mode="partial")
+    part.apply(plan, 0)
+    full = LocalShard(digits_ds, [(0, 100), (200, 250)])
+    ids = np.array([249, 0, 99, 200, 5])
+    assert not np.array_equal(part.index_of(ids), full.index_of(ids))       # stored differently...
+    for k in ("x", "y"):                                                     # ...the same records
+        np.testing.assert_array_equal(part.take(part.index_of(ids))[k], full.take(full.index_of(ids))[k])
+    np.testing.assert_array_equal(part.take(part.index_of(ids))["y"], digits_ds.read(0, 1437)["y"][ids])
+    with pytest.raises(ValueError, match="not in this shard"):
+        part.index_of(np.array([150]))

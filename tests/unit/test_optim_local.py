@@ -3,24 +3,37 @@ import numpy as np
 import pytest
 import torch
 
-from ulfmtrain.comm import RolledForward
-from ulfmtrain.optim import FTSGD
+from ulfmtrain.optim import FTSGD, DistributedOptimizer
 
 
 class FakeComm:
-    """Sums as if `size` ranks had sent the same gradients; can raise RolledForward once."""
+    """Sums as if `size` ranks had sent the same contribution; can abort the first attempt of a step once."""
+
+    rank = 0
 
     def __init__(self, size=1):
-        self.size, self.replica, self.calls, self.roll_once = size, None, 0, None
+        self.size, self.calls, self.abort_once, self.attempts, self.step = size, 0, False, 0, 0
 
-    def allreduce(self, send, recv):
+    def reduce_try(self, send, recv, op=None):
         self.calls += 1
         assert send.ctypes.data != recv.ctypes.data          # never in place
-        if self.roll_once is not None:
-            blob, self.roll_once = self.roll_once, None
-            self.replica.set_state(blob)
-            raise RolledForward("behind")
         np.multiply(send, self.size, out=recv)
+
+    def transaction(self, attempt, commit=None, *, what="step", before_agree=None):
+        n = 0
+        while True:
+            self.attempts += 1
+            result = attempt(n)
+            if self.abort_once:                 # as if a peer died: nothing commits, the step is redone
+                self.abort_once = False
+                n += 1
+                continue
+            if commit is not None:
+                commit(result)
+            return result
+
+    def bcast_bytes(self, make):
+        return make()
 
 
 def make(size=1, bucket_bytes=1 << 20):
@@ -58,7 +71,7 @@ def test_matches_torch_sgd(size, bucket_bytes):
     assert len(opt.buckets) == (1 if bucket_bytes > 1000 else len(opt.params))
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert opt.step_count == 5 and comm.calls == 5 * len(opt.buckets)
+    assert opt.step_count == 5 and comm.calls == 5 * (len(opt.buckets) + 1)   # + the sample count
 
 
 def test_state_round_trip_and_checksum():
@@ -78,20 +91,81 @@ def test_state_round_trip_and_checksum():
     assert opt.checksum() != crc
 
 
-def test_rolled_forward_recomputes_with_closure():
+def test_aborted_step_is_redone_from_the_kept_contribution():
+    """A redo reduces the same weighted contribution again: the update equals an undisturbed step."""
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    model, comm, opt = make(size=3, bucket_bytes=64)
+    model2, comm2, opt2 = make(size=3, bucket_bytes=64)
+    comm.abort_once = True
+    opt.step(closure_for(model, opt, x, y), samples=16)
+    opt2.step(closure_for(model2, opt2, x, y), samples=16)
+    assert comm.attempts == 2 and comm2.attempts == 1 and opt.step_count == opt2.step_count == 1
+    assert opt.checksum() == opt2.checksum()
+
+
+def test_sample_weighting_gives_the_mean_over_samples():
+    """Each rank's gradient is weighted by its samples, and divided by the samples that contributed."""
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    model, comm, opt = make(size=4)
+    closure_for(model, opt, x, y)()
+    local = torch.cat([p.grad.reshape(-1).clone() for p in opt.params])
+    opt.synchronize(samples=5)       # 4 "ranks" with 5 samples each: the mean is the local gradient
+    assert torch.allclose(torch.cat([p.grad.reshape(-1) for p in opt.params]), local, rtol=1e-6)
+    assert opt.samples_total == 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_reduced_in_float32(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3).to(dtype)
+    comm = FakeComm(3)
+    opt = FTSGD(model.parameters(), comm, lr=0.1, model=model)
+    x = torch.randn(4, 8, dtype=dtype)
+    opt.zero_grad()
+    model(x).float().pow(2).mean().backward()
+    ref = [p.grad.double().clone() for p in opt.params]
+    opt.synchronize()
+    (b,) = opt.buckets
+    assert b.send.dtype == torch.float32 and b.grad.dtype == dtype
+    for p, r in zip(opt.params, ref):   # 3 x g / 3 in float32, rounded once to the half type
+        assert p.grad.dtype == dtype
+        torch.testing.assert_close(p.grad.double(), r.to(dtype).double(), rtol=0, atol=0)
+    opt.checksum()                      # no numpy for bfloat16: the checksum must still work
+
+
+def test_is_a_torch_optimizer_for_schedulers_and_grad_scaler():
     model, comm, opt = make()
-    ahead_model, _, ahead = make()
-    ahead.step(closure_for(ahead_model, ahead, x, y))
-    comm.roll_once = ahead.get_state()
-    calls = []
-    base = closure_for(model, opt, x, y)
-    opt.step(lambda: calls.append(1) or base())
-    assert len(calls) == 2            # once before, once after taking the newer state
-    assert opt.step_count == 2        # the newer state's step, then this step
-    comm.roll_once = ahead.get_state()
-    with pytest.raises(RolledForward):
-        opt.step()                    # without a closure the caller must redo the step
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    for _ in range(4):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
+    assert opt.step_count == 4 and comm.attempts == 4          # one reduction per step, not two
+    sd = opt.state_dict()
+    model2, _, opt2 = make()
+    opt2.load_state_dict(sd)
+    assert opt2.state_dict()["state"].keys() == sd["state"].keys()
+    assert isinstance(DistributedOptimizer(torch.optim.AdamW(model.parameters()), comm), torch.optim.Optimizer)
+
+
+def test_buffers_are_averaged_and_integer_buffers_taken_from_rank_zero():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+    comm = FakeComm(2)
+    opt = FTSGD(model.parameters(), comm, lr=0.0, model=model)
+    model(torch.randn(16, 8)).sum().backward()
+    mean = model[1].running_mean.clone()
+    opt.step(samples=16)
+    torch.testing.assert_close(model[1].running_mean, mean)   # 2 x 16 x m / 32
+    assert int(model[1].num_batches_tracked) == 2             # rank 0's value (the fake sums two copies)
 
 
 def test_gradients_become_bucket_views_and_stay_correct():
@@ -101,16 +175,16 @@ def test_gradients_become_bucket_views_and_stay_correct():
     closure = closure_for(model, opt, x, y)
     opt.step(closure)
     (bucket,) = opt.buckets
-    assert bucket._grads_are_send_views()
+    assert bucket._grads_are_views() and bucket.send is bucket.grad
     send_before = bucket.send
     closure()                                   # zero in place + backward into the views
-    assert bucket._grads_are_send_views() and bucket.send is send_before
+    assert bucket._grads_are_views() and bucket.send is send_before
     expected = torch.cat([p.grad.reshape(-1).clone() for p in opt.params])
-    opt.on_gradients_ready()                    # flatten is a no-op, the sum is right
+    opt.synchronize()                           # no copy in, and the sum is right
     assert torch.equal(torch.cat([p.grad.reshape(-1) for p in opt.params]), expected)   # 2x then /2
     model.zero_grad(set_to_none=True)           # a user who drops the views: copied in again
     closure_for(model, torch.optim.SGD(model.parameters(), lr=0), x, y)()
-    assert not bucket._grads_are_send_views()
+    assert not bucket._grads_are_views()
     g = torch.cat([p.grad.reshape(-1).clone() for p in opt.params])
-    opt.on_gradients_ready()
+    opt.synchronize()
     assert torch.equal(torch.cat([p.grad.reshape(-1) for p in opt.params]), g)

@@ -1,0 +1,82 @@
+"""The exactly-once audit: from a run's rank logs (`train --audit`), records seen, duplicated and missing per epoch.
+
+Each rank writes, before its first contribution to each attempt of a step,
+``{"event": "audit", "step": S, "attempt": A, "epoch": E, "ids": [...]}``.
+An aborted attempt is redone by the survivors as attempt A+1, so for each step
+only the last attempt seen in any log committed; the lines of earlier
+attempts are discarded.  A rank that died right after contributing to a step
+that committed has still left its line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .metrics import read_rank_logs
+
+
+@dataclass
+class EpochAudit:
+    """One epoch's verdict."""
+
+    epoch: int
+    records: int
+    seen: int          # distinct records trained on
+    duplicates: int    # extra occurrences
+    missing: int       # records never trained on
+    finished: bool     # every surviving rank closed this epoch
+
+    @property
+    def exact(self) -> bool:
+        return self.duplicates == 0 and self.missing == 0
+
+
+def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[EpochAudit]:
+    """One row per epoch that has audit lines."""
+    if count is None:
+        count = next(x["count"] for recs in logs.values() for x in recs if x["event"] == "start")
+    lines = [x for recs in logs.values() for x in recs if x["event"] == "audit"]
+    last: dict[int, int] = defaultdict(int)
+    for x in lines:
+        last[x["step"]] = max(last[x["step"]], x["attempt"])
+    seen: dict[int, Counter] = defaultdict(Counter)
+    for x in lines:
+        if x["attempt"] == last[x["step"]]:
+            seen[x["epoch"]].update(x["ids"])
+    survivors = [recs for recs in logs.values() if any(x["event"] == "end" for x in recs)] or list(logs.values())
+    closed = set.intersection(*({x["epoch"] for x in recs if x["event"] == "epoch"} for recs in survivors))
+    return [EpochAudit(e, count, len(c), sum(c.values()) - len(c), count - len(c), e in closed)
+            for e, c in sorted(seen.items())]
+
+
+def main(out_dir: str) -> int:
+    """Print the audit table; exit 1 if an exactly-once run saw a record twice or never."""
+    logs = read_rank_logs(out_dir)
+    if not logs:
+        print(f"ulfmtrain: error: no rank logs in {out_dir!r}: give the --out directory of a train run",
+              file=sys.stderr)
+        return 2
+    if not any(x["event"] == "audit" for recs in logs.values() for x in recs):
+        print(f"ulfmtrain: error: {out_dir!r} has no audit lines: train with --audit", file=sys.stderr)
+        return 2
+    policy = next((x["config"].get("data_policy", "exactly-once") for recs in logs.values() for x in recs
+                   if x["event"] == "start"), "exactly-once")
+    rows = audit_logs(logs)
+    print(f"{'epoch':>5} {'records':>8} {'seen':>8} {'duplicates':>10} {'missing':>8}")
+    for r in rows:
+        tail = "" if r.finished else "  (not finished: not judged)"
+        print(f"{r.epoch:>5} {r.records:>8} {r.seen:>8} {r.duplicates:>10} {r.missing:>8}{tail}")
+    bad = [r.epoch for r in rows if r.finished and not r.exact]
+    if policy == "exactly-once" and bad:
+        print(f"NOT exactly-once: epochs {bad} saw a record twice or never")
+        return 1
+    print(f"{policy}: " + ("every record exactly once per epoch" if not bad else f"epochs {bad} skipped records"))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The audit command's arguments."""
+    p.add_argument("out", type=Path, help="the --out directory of a `train --audit` run")
