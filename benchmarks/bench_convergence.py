@@ -81,8 +81,8 @@ def run_training(n: int, label: str, kill: str | None, data: Path, epochs: int, 
         "killed_at": [r["step"] for recs in logs.values() for r in recs if r["event"] == "kill"],
         "loss": loss_curve(logs[lowest]),
         "test_acc_per_epoch": [(r["step"], r["epoch"], r["test_acc"]) for r in epochs_rec],
-        "recovery": {k: rec[k] for k in ("detect_ms", "revoke_ms", "shrink_ms", "agree_ms", "sync_ms",
-                                         "retry_ms", "reload_ms", "bytes_read", "status", "tag")
+        "recovery": {k: rec[k] for k in ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms",
+                                         "redo_ms", "reload_ms", "bytes_read", "committed", "step")
                      if k in rec} if rec else None,
         "command": common.portable(launch.command, [(work, "$WORK")]),
     }

@@ -90,7 +90,6 @@ def worker(argv: list[str]) -> None:
     ds = ShardedDataset(a.data)
     shards = initial_holdings(ds.count, n)
     holdings = {w: shards[i] for i, w in enumerate(ft.alive)}   # as Trainer assigns them
-    ft.replica = common.StepCounter()
     LocalShard(ds, holdings[me])        # every rank holds its shard when the failure hits
     one, out = np.ones(1, np.float32), np.empty(1, np.float32)
     common.ft_step(ft, one, out)

@@ -37,7 +37,7 @@ from ulfmtrain.metrics import pyplot, save_figure  # noqa: E402
 
 NAME = "shrink"
 # Per-survivor quantities, in ms, in the order they happen.
-PHASES = ("detect_ms", "revoke_ms", "shrink_ms", "agree_ms", "sync_ms", "retry_ms", "recovery_ms", "total_ms")
+PHASES = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "retry_ms", "recovery_ms", "total_ms")
 REFERENCE = ("agree_ff_us", "shrink_ff_us", "agree_after_us", "shrink_after_us")
 
 
@@ -84,7 +84,6 @@ def worker(argv: list[str]) -> None:
     from ulfmtrain.comm import FaultTolerantComm
 
     ft = FaultTolerantComm()
-    ft.replica = common.StepCounter()
     me, n = ft.world_rank, ft.size
     rec: dict[str, Any] = {"world_rank": me, "n": n, "victim": a.victim}
     agree_ff, shrink_ff = _references(ft.comm, a.iters)
@@ -111,12 +110,12 @@ def worker(argv: list[str]) -> None:
     ev = ft.events[0]
     kill = json.loads((a.out / "kill.json").read_text())
     rec.update(
-        status=ev.status, error_class=ev.error_class, size_after=ev.size_after, removed=ev.removed,
-        rounds=len(ev.rounds), correct=bool(np.all(recv == ft.size)),
+        committed=ev.committed, size_after=ev.size_after, removed=ev.removed,
+        rounds=ev.shrinks, correct=bool(np.all(recv == ft.size)),
         # Wall clocks of one host agree; across hosts this is only as good as their clock sync.
         detect_ms=(ev.wall_error - kill["t_kill"]) * 1e3,
         detect_in_call_ms=ev.detect_ms, revoke_ms=ev.revoke_ms, shrink_ms=ev.shrink_ms,
-        agree_ms=ev.agree_ms, sync_ms=ev.sync_ms, retry_ms=ev.retry_ms,
+        agree_ms=ev.agree_ms, commit_agree_ms=ev.commit_agree_ms, retry_ms=ev.redo_ms,
         recovery_ms=(t_back - ev.wall_error) * 1e3, total_ms=(t_back - kill["t_kill"]) * 1e3,
         call_ms=(t_back - t_call) * 1e3,
     )

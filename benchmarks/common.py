@@ -161,42 +161,18 @@ def portable(cmd: Sequence[str], roots: Sequence[tuple[Path, str]] = ()) -> str:
 # --------------------------------------------------------------------------- inside a rank
 
 
-class StepCounter:
-    """The replica a micro benchmark registers with FaultTolerantComm: its tag is the iteration."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def tag(self) -> int:
-        return self.step
-
-    def get_state(self) -> bytes:
-        return self.step.to_bytes(8, "little")
-
-    def set_state(self, blob: bytes) -> None:
-        self.step = int.from_bytes(blob, "little")
-
-
 def ft_step(ft: Any, send: Any, recv: Any) -> None:
-    """One fault-tolerant allreduce step, as FT-SGD takes it: redo it if this rank was rolled forward."""
-    from ulfmtrain.comm import RolledForward
-
-    while True:
-        try:
-            ft.allreduce(send, recv)
-            break
-        except RolledForward:   # survivors stood at different steps: this one took the leader's
-            continue
-    ft.replica.step += 1
+    """One fault-tolerant allreduce step, as FT-SGD takes it: one transaction, redone on the survivors."""
+    ft.allreduce(send, recv)
 
 
 def finalize_rank(timeout: float = 3.0) -> None:
     """MPI_Finalize, bounded: after a failure it can hang (ompi #11404), and results are already written."""
     # The runtime's own bounded finalize (a C watchdog: mpi4py's Finalize holds the GIL),
     # so there is one policy for how long to wait.
-    from ulfmtrain.cli import _finalize
+    from ulfmtrain.lifecycle import finalize
 
-    os._exit(_finalize(0, timeout))
+    os._exit(finalize(timeout, 0))
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -5,10 +5,12 @@ import argparse
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Sequence
 
 PROG = "ulfmtrain"
+DEFAULT_BUCKET_BYTES = 25 * 2**20      # optim.DEFAULT_BUCKET_BYTES (not imported: it pulls in torch)
 
 
 class UsageError(Exception):
@@ -39,7 +41,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         "lossy: they are skipped this epoch (later epochs still cover every record)")
     p.add_argument("--audit", action="store_true",
                    help="log the record ids of every step (check them with `python -m ulfmtrain audit OUT`)")
-    p.add_argument("--bucket-bytes", type=int, default=None, help="gradient bucket size in bytes (default 25 MiB)")
+    p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES, help="gradient bucket size in bytes")
     p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP[:PHASE]",
                    help="SIGKILL a rank (repeatable); PHASE: forward, backward[=FRAC], allreduce, commit, update, "
                         "recovery, "
@@ -87,7 +89,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .data import DatasetError, ShardedDataset
     from .faults import KillSpecError, parse_kills
     from .models import build_model
-    from .optim import FTSGD
     from .trainer import TrainConfig, Trainer
 
     torch.set_num_threads(1)   # one rank per core; more threads only fight
@@ -116,7 +117,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from exc
         config = TrainConfig(epochs=args.epochs, batch=args.batch, lr=args.lr, momentum=args.momentum,
                              weight_decay=args.weight_decay, seed=args.seed, reload=args.reload,
-                             data_policy=args.data_policy, audit=args.audit,
+                             data_policy=args.data_policy, audit=args.audit, bucket_bytes=args.bucket_bytes,
                              progress=not args.no_progress, recovery=args.recovery)
         Path(args.out).mkdir(parents=True, exist_ok=True)
 
@@ -124,11 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             error = None
             t_init, t0 = time.time(), time.perf_counter()
             try:
-                optimizer = None
-                if args.bucket_bytes:
-                    optimizer = FTSGD(model.parameters(), comm, lr=config.lr, momentum=config.momentum,
-                                      weight_decay=config.weight_decay, model=model, bucket_bytes=args.bucket_bytes)
-                trainer = Trainer(model, comm, train_path, test_path, config, kills, args.out, optimizer=optimizer,
+                trainer = Trainer(model, comm, train_path, test_path, config, kills, args.out,
                                   checkpointer=checkpointer_from_args(args, resume))
             except DatasetError as exc:   # e.g. a corrupt record in my shard only
                 error = exc
@@ -165,18 +162,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             if comm.rank == 0:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
             return _finalize(2, args.finalize_timeout)
-        raise
+        traceback.print_exc()                  # unexpected: still leave through the bounded finalize
+        return _finalize(1, args.finalize_timeout)
     return _finalize(0, args.finalize_timeout)
 
 
 def _finalize(code: int, timeout: float) -> int:
     """MPI_Finalize after a failure can hang (ompi #11404): results are written, so bound it."""
-    from . import _ftcoll
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    _ftcoll.finalize(timeout, code)
-    return code
+    from .lifecycle import finalize
+    return finalize(timeout, code)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from . import _ftcoll
+from . import _ftcoll, lifecycle
 
 T = TypeVar("T")
 FaultPathError = _ftcoll.FaultPathError
@@ -131,6 +131,7 @@ class FaultTolerantComm(_CommBase):
         if check:
             require_fault_tolerance()
         self._setup(_fault_tolerant_dup(comm or MPI.COMM_WORLD))
+        lifecycle.arm_at_exit()
 
     # -- the transaction -------------------------------------------------
     def transaction(self, attempt: Callable[[int], T], commit: Callable[[T], None] | None = None, *,
@@ -231,9 +232,8 @@ class FaultTolerantComm(_CommBase):
         return self.transaction(attempt, what="bcast")
 
     def finalize(self, timeout: float = 5.0, exit_code: int = 0) -> int:
-        """MPI_Finalize, bounded: after a failure it can hang (ompi #11404)."""
-        from .lifecycle import finalize
-        return finalize(timeout, exit_code)
+        """MPI_Finalize, bounded: after a failure it can hang (ompi #11404); non-zero exit on a hang."""
+        return lifecycle.finalize(timeout, exit_code)
 
 
 def _fault_tolerant_dup(base: MPI.Intracomm) -> MPI.Intracomm:
@@ -283,6 +283,4 @@ class PlainComm(_CommBase):
     def bcast_bytes(self, make: Callable[[], bytes]) -> bytes:
         return self.comm.bcast(make() if self.rank == 0 else None, root=0)
 
-    def finalize(self, timeout: float = 5.0, exit_code: int = 0) -> int:
-        from .lifecycle import finalize
-        return finalize(timeout, exit_code)
+    finalize = FaultTolerantComm.finalize

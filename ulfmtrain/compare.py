@@ -186,10 +186,10 @@ def _shrink_failures(logs: dict[int, list[dict]]) -> list[dict]:
             raise CompareError(f"no survivor logged a recovery from kill {k['spec']}")
         out.append(_failure(k["t"], k["step"], {
             "detection": min(e["wall_error"] for e in evs) - k["t"],
-            "mpi_recovery": max(e["revoke_ms"] + e["shrink_ms"] + e["agree_ms"] + e["sync_ms"]
-                                + e.get("state_sync_ms", 0.0) for e in evs) / 1e3,
+            "mpi_recovery": max(e["commit_agree_ms"] + e["revoke_ms"] + e["shrink_ms"] + e["agree_ms"]
+                                for e in evs) / 1e3,
             "data_reload": max(e.get("reload_ms", 0.0) for e in evs) / 1e3,
-            "replay": max(e["retry_ms"] for e in evs) / 1e3},
+            "replay": max(e["redo_ms"] for e in evs) / 1e3},
             steps_replayed=0, bytes_reread=sum(e.get("bytes_read", 0) for e in evs)))
     return out
 

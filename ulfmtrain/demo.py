@@ -12,7 +12,7 @@ from .launch import mpirun_command
 from .metrics import loss_curve, plot_loss, read_rank_logs
 
 
-RECOVERY_PARTS = ("detect_ms", "revoke_ms", "shrink_ms", "agree_ms", "sync_ms", "retry_ms", "reload_ms")
+RECOVERY_PARTS = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "redo_ms", "reload_ms")
 
 
 def _run(label: str, out: Path, data: Path, args: argparse.Namespace, kills: list[str]) -> dict:

@@ -320,6 +320,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def broadcast_state(self) -> None:
         """Start every rank from the lowest survivor's state (Horovod's broadcast_parameters, fault-tolerant)."""
+        faults.point(self.step_count, "init")
         self.set_state(self.comm.bcast_bytes(self.get_state))
 
     def checksum(self) -> int:

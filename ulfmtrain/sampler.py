@@ -145,3 +145,28 @@ class EpochSampler:
         self.queues = {int(w): np.asarray(q, dtype=np.int64) for w, q in state["queues"].items()}
         self.cursors = {int(w): int(c) for w, c in state["cursors"].items()}
         self.dropped = {int(e): int(n) for e, n in state["dropped"].items()}
+
+
+def distributed_sampler(comm: Any, opt: Any, count: int, batch: int, *, seed: int = 0,
+                        policy: str = "exactly-once") -> EpochSampler:
+    """An EpochSampler for a loop of your own over records 0..count-1 held in memory on every rank.
+
+    It advances when a step of `opt` (a DistributedOptimizer) commits, hands a
+    dead rank's uncommitted records to the survivors after a repair of `comm`,
+    and is part of the replicated state.  Epoch 0 is started; call
+    `start_epoch(e)` for the next ones and train while `not epoch_done()`.
+    """
+    from .data import initial_holdings, plan_recovery
+
+    shards = initial_holdings(count, comm.size)
+    sampler = EpochSampler({w: shards[i] for i, w in enumerate(comm.alive)}, batch, seed, policy)
+
+    def replan(event: Any) -> None:
+        if event.removed:
+            sampler.remove(event.removed, plan_recovery(sampler.holdings, event.removed).holdings)
+
+    opt.add_commit_hook(sampler.commit)
+    opt.register_extra_state("sampler", sampler.state, sampler.load_state)
+    comm.add_listener(replan)
+    sampler.start_epoch(0)
+    return sampler

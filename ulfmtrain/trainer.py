@@ -15,7 +15,7 @@ from .atomic import write_json
 from .data import LocalShard, ShardedDataset, initial_holdings, plan_recovery, ranges_len
 from .faults import Kill
 from .metrics import MetricsWriter
-from .optim import FTSGD, DistributedOptimizer
+from .optim import DEFAULT_BUCKET_BYTES, FTSGD, DistributedOptimizer
 from .sampler import EpochSampler
 
 
@@ -32,6 +32,7 @@ class TrainConfig:
     reload: str = "partial"    # "partial": read only my share of the lost records; "full": re-read my whole shard
     data_policy: str = "exactly-once"   # or "lossy": a dead rank's uncommitted records are skipped this epoch
     audit: bool = False        # log the record ids of every step attempt (python -m ulfmtrain audit OUT)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     progress: bool = True
     recovery: str = "shrink"   # "shrink" (ULFM, go on with the survivors), "restart" (checkpoint-restart
                                # under a supervisor) or "reinit" (global rollback inside the job)
@@ -81,7 +82,7 @@ class Trainer:
         self.load_ms = (time.perf_counter() - t_load) * 1e3   # reading my whole shard (a restart's data reload)
 
         self.opt = optimizer or FTSGD(model.parameters(), comm, lr=cfg.lr, momentum=cfg.momentum,
-                                      weight_decay=cfg.weight_decay, model=model)
+                                      weight_decay=cfg.weight_decay, model=model, bucket_bytes=cfg.bucket_bytes)
         self.opt.register_extra_state("sampler", self.sampler.state, self._set_sampler_state)
         self.opt.add_commit_hook(self.sampler.commit)
         if cfg.audit:
@@ -198,7 +199,7 @@ class Trainer:
             self.checkpointer.begin(self)
         self.log("start", host=socket.gethostname(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
-                 steps_per_epoch=self.steps_left())
+                 steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets))
         try:
             while self.sampler.epoch < self.cfg.epochs:
                 t0, seen = time.perf_counter(), len(self.comm.events)
@@ -229,6 +230,7 @@ class Trainer:
     def _finish(self, t_start: float) -> dict[str, Any]:
         if self._bar is not None:
             self._bar.close()
+        faults.point(self.opt.step_count, "final")
         crc = _int32(self.opt.checksum())
         # Agree (uniform, and repaired if a rank dies now) on the AND of the
         # checksum and of its complement: both come back unchanged only if

@@ -1,0 +1,52 @@
+"""A user's own training loop on the public API, to be SIGKILLed from outside at random moments.
+
+Under mpirun --with-ft ulfm.  Digits in memory on every rank, the batch-norm
+CNN, AdamW with a cosine LR schedule, exactly-once batches.  Each rank writes
+its pid first (before MPI starts, so the killer can strike during start-up),
+then OUT/rank<N>.jsonl with audit, epoch and end lines.
+"""
+import os
+import sys
+
+out = sys.argv[1]
+with open(os.path.join(out, f"pid{os.environ['OMPI_COMM_WORLD_RANK']}"), "w") as f:
+    f.write(str(os.getpid()))
+
+import torch  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+from ulfmtrain import DistributedOptimizer, FaultTolerantComm  # noqa: E402
+from ulfmtrain.metrics import MetricsWriter  # noqa: E402
+from ulfmtrain.models import DigitsCNNBN  # noqa: E402
+from ulfmtrain.sampler import distributed_sampler  # noqa: E402
+
+EPOCHS, BATCH = 2, 16
+torch.set_num_threads(1)
+comm = FaultTolerantComm()
+x, y = load_digits(return_X_y=True)
+x = torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+y = torch.tensor(y)
+model = DigitsCNNBN()
+opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), comm, model=model, bucket_bytes=20000)
+sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=EPOCHS * 30)
+sampler = distributed_sampler(comm, opt, len(y), BATCH, seed=1)
+log = MetricsWriter(out, comm.world_rank)
+log("start", count=len(y), config={"data_policy": "exactly-once"})
+batch = torch.empty(0, dtype=torch.long)
+opt.add_attempt_hook(lambda step, attempt: log("audit", step=step, attempt=attempt, epoch=sampler.epoch,
+                                               ids=batch.tolist()))
+for epoch in range(EPOCHS):
+    if epoch:
+        sampler.start_epoch(epoch)
+    while not sampler.epoch_done():
+        batch = torch.from_numpy(sampler.batch_ids(comm.world_rank))
+        opt.zero_grad()
+        if len(batch):
+            torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        opt.step(samples=len(batch))
+        sched.step()
+    log("epoch", epoch=epoch, checksum=opt.checksum())
+crc = opt.checksum()
+signed = crc - 2**32 if crc >= 2**31 else crc
+consistent = comm.agree(signed) == signed and comm.agree(~signed) == ~signed
+log("end", checksum=crc, consistent=consistent, world_history=comm.world_history, lr=opt.param_groups[0]["lr"])
