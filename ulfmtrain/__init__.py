@@ -17,7 +17,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 _EXPORTS = {
     "FTSGD": "optim", "DistributedOptimizer": "optim",
     "FaultTolerantComm": "comm", "PlainComm": "comm", "RecoveryEvent": "comm",
-    "RolledForward": "comm", "FaultToleranceUnavailable": "comm", "require_fault_tolerance": "comm",
+    "FaultToleranceUnavailable": "comm", "require_fault_tolerance": "comm",
     "Trainer": "trainer", "TrainConfig": "trainer",
     "Kill": "faults", "parse_kill": "faults", "parse_kills": "faults", "KillSpecError": "faults",
     "build_model": "models", "DigitsCNN": "models", "MLP": "models",

@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-# "init": before the initial state broadcast (STEP 0); "final": before the final consistency check;
+# "init": before the initial state broadcast (STEP 0); "final": before the final consistency check (any STEP);
 # "allreduce": between two buckets of the step's reduction (after the sample count, with one bucket);
 # "commit": right before the commit agree; "recovery": inside the next repair, after the shrink;
 # "checkpoint": rank 0 dies half-way through writing the checkpoint of STEP (checkpoint.py calls it).
@@ -106,6 +106,8 @@ class FaultInjector:
         if not self._mine:
             return
         kill = self._mine.get((step, phase))
+        if phase == "final":      # there is one final check, whatever its step
+            kill = next((k for (_, p), k in self._mine.items() if p == "final"), None)
         if kill is not None:
             self._die(kill)
         if not self._recovery_armed:

@@ -295,11 +295,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
         }
 
-    def get_state(self) -> bytes:
-        """Model, optimizer, step and extra state, serialized."""
+    def get_state(self, extra: bool = True) -> bytes:
+        """Model, optimizer, step and (unless extra=False) the registered extra state, serialized."""
         state = self._tensors()
         state["step"] = self.step_count
-        state["extra"] = {k: get() for k, (get, _) in self._extra.items()}
+        state["extra"] = {k: get() for k, (get, _) in self._extra.items()} if extra else {}
         buf = io.BytesIO()
         torch.save(state, buf)
         return buf.getvalue()
@@ -321,7 +321,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def broadcast_state(self) -> None:
         """Start every rank from the lowest survivor's state (Horovod's broadcast_parameters, fault-tolerant)."""
         faults.point(self.step_count, "init")
-        self.set_state(self.comm.bcast_bytes(self.get_state))
+        # Without the extra state: every rank builds it (the sampler) alike, and it may already have been re-planned.
+        self.set_state(self.comm.bcast_bytes(lambda: self.get_state(extra=False)))
 
     def checksum(self) -> int:
         """CRC32 of parameters, buffers, optimizer state and step: equal on consistent replicas."""

@@ -81,13 +81,20 @@ class Trainer:
                 self.test = ds.read(0, ds.count)
         self.load_ms = (time.perf_counter() - t_load) * 1e3   # reading my whole shard (a restart's data reload)
 
+        # Listen before the optimizer's initial broadcast: a rank that dies
+        # during it must have its records handed out like any other.
+        comm.add_listener(self._replan)
+        # Our own optimizer broadcasts the initial state in fit(): after the
+        # caller's uniform check that every rank could load its shard.
+        self._broadcast = optimizer is None
         self.opt = optimizer or FTSGD(model.parameters(), comm, lr=cfg.lr, momentum=cfg.momentum,
-                                      weight_decay=cfg.weight_decay, model=model, bucket_bytes=cfg.bucket_bytes)
+                                      weight_decay=cfg.weight_decay, model=model, bucket_bytes=cfg.bucket_bytes,
+                                      broadcast=False)
+
         self.opt.register_extra_state("sampler", self.sampler.state, self._set_sampler_state)
         self.opt.add_commit_hook(self.sampler.commit)
         if cfg.audit:
             self.opt.add_attempt_hook(self._audit)
-        comm.add_listener(self._replan)
         self.epoch_ended = False       # the last committed step closed an epoch (checkpoint cadence)
         self._logged_events = 0
         self._ids = torch.empty(0)
@@ -193,8 +200,10 @@ class Trainer:
         t_start = time.perf_counter()
         torch.manual_seed(self.cfg.seed)
         self.sampler.start_epoch(0)
-        # A checkpointer that resumed has given every rank the same state;
-        # otherwise the optimizer already started every rank from one state.
+        # Every rank starts from one state: the checkpoint a resume restores, or the lowest rank's.
+        if self.checkpointer is None or not self.checkpointer.resume:
+            if self._broadcast:
+                self.opt.broadcast_state()
         if self.checkpointer is not None:
             self.checkpointer.begin(self)
         self.log("start", host=socket.gethostname(), world=self.comm.size, alive=self.comm.alive,
