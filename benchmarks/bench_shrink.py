@@ -156,7 +156,7 @@ def summarize_n(runs: list[dict]) -> dict[str, Any]:
     for key in ("agree_ff", "shrink_ff", "agree_after", "shrink_after"):
         # benchagree/benchshrink report each rank's mean per op; summarize those means.
         out[key + "_us"] = common.summarize(s[key]["mean"] for r in runs for s in r["survivors"])
-    out["status"] = sorted({s["status"] for r in runs for s in r["survivors"]})
+    out["committed"] = sorted({s["committed"] for r in runs for s in r["survivors"]})
     out["all_correct"] = all(s["correct"] for r in runs for s in r["survivors"])
     return out
 
