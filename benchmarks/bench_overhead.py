@@ -4,7 +4,7 @@ Two measurements, on the same ranks of ONE mpirun per rank count:
 
 1. allreduce of float32 buffers from 4 KiB to 64 MiB, side by side:
    - ft:     ulfmtrain's FaultTolerantComm.allreduce (what FT-SGD calls);
-   - ftcoll: the bare C fault path (ulfmtrain._ftcoll.allreduce), to tell the
+   - ftcoll: the bare C fault path (ulfmtrain._ftcoll.allreduce_try), to tell the
              Python wrapper's cost from the C path's;
    - mpi:    plain mpi4py Comm.Allreduce, out of place, also under --with-ft ulfm;
    - gloo:   torch.distributed.all_reduce on a gloo process group.
@@ -132,7 +132,7 @@ def _allreduce_sweep(world, ft, plain, sizes: list[int], rounds: int, target_s: 
         tensor = torch.zeros(count, dtype=torch.float32)
         ops: dict[str, Callable[[], None]] = {
             "ft": lambda: ft.allreduce(send, recv),
-            "ftcoll": lambda: _ftcoll.allreduce(ft.comm, send, recv, MPI.SUM, 0),
+            "ftcoll": lambda: _ftcoll.allreduce_try(ft.comm, send, recv, MPI.SUM),
             "mpi": lambda: plain.Allreduce(send, recv, op=MPI.SUM),
             "gloo": lambda: dist.all_reduce(tensor),
         }
@@ -214,11 +214,11 @@ def _step_throughput(world, ft, model_name: str, steps: int, warmup: int, rounds
     opt_ddp = torch.optim.SGD(m_ddp.parameters(), lr=0.01, momentum=0.9)
     opt_loc = torch.optim.SGD(m_loc.parameters(), lr=0.01, momentum=0.9)
     it = {"i": 0}
-    # Instrument FT-SGD for the breakdown: its gradients-ready callback (flatten,
-    # allreduce, unflatten) and, inside it, the allreduce itself.
+    # Instrument FT-SGD for the breakdown: its synchronize (stage, reduce, commit
+    # agree, unstage) and, inside it, the reductions themselves.
     spent = {"compute": 0.0, "gradients": 0.0, "allreduce": 0.0}
-    opt_ft.on_gradients_ready = _timed(opt_ft.on_gradients_ready, spent, "gradients")
-    ft.allreduce = _timed(ft.allreduce, spent, "allreduce")
+    opt_ft.synchronize = _timed(opt_ft.synchronize, spent, "gradients")
+    ft.reduce_try = _timed(ft.reduce_try, spent, "allreduce")
 
     def batch_xy() -> tuple[torch.Tensor, torch.Tensor]:
         it["i"] += 1
@@ -258,7 +258,7 @@ def _step_throughput(world, ft, model_name: str, steps: int, warmup: int, rounds
                 for k, v in spent.items():
                     split[k].append(world.allreduce(v, op=MPI.MAX) / steps * 1e3)
     # Replicas must still agree, or the throughput was bought with wrong answers.
-    del ft.allreduce    # back to the class's method for the rest of the job
+    del ft.reduce_try    # back to the class's method for the rest of the job
     ft_equal = len(set(world.allgather(opt_ft.checksum()))) == 1
     ddp_sums = world.allgather(float(sum(p.detach().double().sum() for p in m_ddp.parameters())))
     samples = n * batch * steps
@@ -268,8 +268,8 @@ def _step_throughput(world, ft, model_name: str, steps: int, warmup: int, rounds
         "samples_per_s": {k: common.summarize(samples / s for s in v) for k, v in secs.items()},
         "step_ms": {k: common.summarize(s / steps * 1e3 for s in v) for k, v in secs.items()},
         "per_round_s": secs,
-        # FT-SGD's step, split (slowest rank): forward+backward; the gradients-ready callback
-        # (flatten, allreduce, unflatten) and the allreduce within it; the rest is the SGD update.
+        # FT-SGD's step, split (slowest rank): forward+backward; synchronize (stage, reduce,
+        # commit agree, unstage) and the reductions within it; the rest is the SGD update.
         "ftsgd_split_ms": {k: common.summarize(v) for k, v in split.items()},
         "ftsgd_equal_replicas": ft_equal, "ddp_equal_replicas": max(ddp_sums) - min(ddp_sums) < 1e-6 * max(1.0, abs(ddp_sums[0])),
     }

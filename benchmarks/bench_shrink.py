@@ -37,7 +37,7 @@ from ulfmtrain.metrics import pyplot, save_figure  # noqa: E402
 
 NAME = "shrink"
 # Per-survivor quantities, in ms, in the order they happen.
-PHASES = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "retry_ms", "recovery_ms", "total_ms")
+PHASES = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "redo_ms", "recovery_ms", "total_ms")
 REFERENCE = ("agree_ff_us", "shrink_ff_us", "agree_after_us", "shrink_after_us")
 
 
@@ -115,7 +115,7 @@ def worker(argv: list[str]) -> None:
         # Wall clocks of one host agree; across hosts this is only as good as their clock sync.
         detect_ms=(ev.wall_error - kill["t_kill"]) * 1e3,
         detect_in_call_ms=ev.detect_ms, revoke_ms=ev.revoke_ms, shrink_ms=ev.shrink_ms,
-        agree_ms=ev.agree_ms, commit_agree_ms=ev.commit_agree_ms, retry_ms=ev.redo_ms,
+        agree_ms=ev.agree_ms, commit_agree_ms=ev.commit_agree_ms, redo_ms=ev.redo_ms,
         recovery_ms=(t_back - ev.wall_error) * 1e3, total_ms=(t_back - kill["t_kill"]) * 1e3,
         call_ms=(t_back - t_call) * 1e3,
     )
@@ -168,7 +168,7 @@ def plot(by_n: dict[int, dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     series = [("total_ms", "kill → allreduce done", "k", 1.0), ("recovery_ms", "first error → allreduce done", "C0", 1.0),
               ("detect_ms", "detection (kill → first error)", "C1", 1.0), ("shrink_ms", "MPIX_Comm_shrink", "C2", 1.0),
-              ("retry_ms", "first allreduce on new comm", "C4", 1.0), ("agree_ms", "agree (after shrink)", "C3", 1.0),
+              ("redo_ms", "step redone on new comm", "C4", 1.0), ("agree_ms", "agree (after shrink)", "C3", 1.0),
               ("shrink_ff_us", "shrink, no failure (benchshrink)", "C2", 1e-3),
               ("agree_ff_us", "agree, no failure (benchagree)", "C3", 1e-3)]
     for key, label, color, scale in series:
@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
 
     print(f"\nRecovery after one SIGKILL, per survivor: median [p25-p75] over {args.repeats} repeats x survivors (ms)")
     print(common.table(
-        ["n", "detect", "revoke", "shrink", "agree", "tag sync", "1st allreduce", "recovery", "kill→done",
+        ["n", "detect", "commit agree", "revoke", "shrink", "agree", "redo", "recovery", "kill→done",
          "slowest kill→done"],
         [[n, *(common.spread(by_n[n][k]) for k in PHASES), common.fmt(by_n[n]["total_ms"]["slowest_median"])]
          for n in args.ranks]))

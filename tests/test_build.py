@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import ulfmtrain
+from ulfmtrain import _ftcoll
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = Path(ulfmtrain.__file__).parent
@@ -42,9 +43,9 @@ def test_setup_py_builds_the_same_extension(tmp_path):
     (so,) = (tmp_path / "lib" / "ulfmtrain").glob("_ftcoll*.so")
     check = ("import importlib.util as u, sys; from mpi4py import MPI; "
              f"s = u.spec_from_file_location('ulfmtrain._ftcoll', {str(so)!r}); m = u.module_from_spec(s); "
-             "s.loader.exec_module(m); print(m.OK, m.RECOVERED, m.DIVERGED)")
+             "s.loader.exec_module(m); print(m.OK, m.FAILED, m.ERROR)")
     out = subprocess.run([sys.executable, "-P", "-c", check], capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["0", "1", "2"], out.stderr
+    assert out.stdout.split() == [str(v) for v in (_ftcoll.OK, _ftcoll.FAILED, _ftcoll.ERROR)], out.stderr
 
 
 def test_build_without_ulfm_fails_with_the_fix(tmp_path):
