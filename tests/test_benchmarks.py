@@ -88,4 +88,6 @@ def test_bench_overhead(tmp_path: Path) -> None:
     (step,) = n2["step"]
     assert set(step["samples_per_s"]) == {"ftsgd", "ddp", "local"}
     assert step["ftsgd_equal_replicas"] and step["ddp_equal_replicas"]
-    assert {"ft_over_mpi_min", "ftsgd_over_ddp", "goal_ft_over_mpi_0.99_met"} <= set(data["headline"])
+    assert 0 < step["ratio"]["commit_agree/step"] < 1, step["ratio"]   # an agree is cheaper than a whole step
+    assert {"ft_over_mpi_min", "ftsgd_over_ddp", "goal_ft_over_mpi_0.99_met", "commit_agree_over_step"} \
+        <= set(data["headline"])

@@ -190,3 +190,16 @@ def test_bucket_reduced_before_a_failure_is_not_mis_scaled(mpi, tmp_path):
     for g in got.values():
         assert g["buckets"] >= 3 and g["history"] == [4, 3]
         assert g["grads"] == [2.0] * g["buckets"]            # mean of 1, 2, 3 in every bucket
+
+
+@pytest.mark.timeout(90)
+def test_grad_scaler_and_scheduler_through_an_overflow_and_a_failure(mpi, tmp_path):
+    """GradScaler skips the overflowed step on every rank; the failure is redone; replicas stay identical."""
+    got = run_rank_script(mpi, "grad_scaler.py", tmp_path, 3)
+    assert sorted(got) == [0, 2], got
+    assert len({g["checksum"] for g in got.values()}) == 1, got
+    for g in got.values():
+        assert g["history"] == [3, 2] and g["steps"] == 6
+        assert g["changed"] == [True, False, True, True, True, True]      # step 1 (inf on rank 2) skipped
+        assert g["scale"] == 2.0**9                                         # halved once, by the overflow
+        assert g["lr"] == pytest.approx(1e-2 * 0.5**3)
