@@ -1,0 +1,69 @@
+"""Unit tests for the exactly-once audit over rank logs (pure)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ulfmtrain import audit
+
+
+def logs_of(lines_by_rank: dict[int, list[dict]], count: int, policy: str = "exactly-once") -> dict[int, list[dict]]:
+    return {r: [{"event": "start", "count": count, "config": {"data_policy": policy}}, *lines]
+            for r, lines in lines_by_rank.items()}
+
+
+def a(step, ids, epoch=0, attempt=0):
+    return {"event": "audit", "step": step, "attempt": attempt, "epoch": epoch, "ids": ids}
+
+
+END = [{"event": "epoch", "epoch": 0}, {"event": "end"}]
+
+
+def test_exact_epoch():
+    logs = logs_of({0: [a(0, [0, 1]), a(1, [2]), *END], 1: [a(0, [3, 4]), a(1, [5]), *END]}, 6)
+    (row,) = audit.audit_logs(logs)
+    assert (row.seen, row.duplicates, row.missing, row.finished, row.exact) == (6, 0, 0, True, True)
+
+
+def test_only_the_last_attempt_of_a_step_counts():
+    """Rank 1 died in attempt 0 of step 1; the survivor redid the step (attempt 1) and took rank 1's ids later."""
+    logs = logs_of({0: [a(0, [0]), a(1, [1]), a(1, [1], attempt=1), a(2, [3]), *END],
+                    1: [a(0, [2]), a(1, [3])]}, 4)
+    (row,) = audit.audit_logs(logs)
+    assert row.exact, row
+
+
+def test_duplicates_and_missing_are_counted():
+    logs = logs_of({0: [a(0, [0, 1]), a(1, [1]), *END], 1: [a(0, [2]), *END]}, 4)
+    (row,) = audit.audit_logs(logs)
+    assert (row.seen, row.duplicates, row.missing, row.exact) == (3, 1, 1, False)
+
+
+def test_an_unfinished_epoch_is_not_judged():
+    logs = logs_of({0: [a(0, [0]), {"event": "end"}]}, 4)
+    (row,) = audit.audit_logs(logs)
+    assert not row.finished
+
+
+def write(tmp_path, logs):
+    for r, recs in logs.items():
+        (tmp_path / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+
+
+@pytest.mark.parametrize("policy,ids1,code", [("exactly-once", [2, 3], 0), ("exactly-once", [2], 1),
+                                              ("exactly-once", [1, 2, 3], 1), ("lossy", [2], 0),
+                                              ("lossy", [1, 2], 1)])
+def test_exit_codes(tmp_path, capsys, policy, ids1, code):
+    """Exactly-once: any duplicate or missing record fails; lossy may skip records but never repeat one."""
+    write(tmp_path, logs_of({0: [a(0, [0, 1]), *END], 1: [a(0, ids1), *END]}, 4, policy))
+    assert audit.main(str(tmp_path)) == code
+    assert "epoch" in capsys.readouterr().out
+
+
+def test_bad_directories_say_what_to_do(tmp_path, capsys):
+    assert audit.main(str(tmp_path)) == 2
+    assert "no rank logs" in capsys.readouterr().err
+    write(tmp_path, logs_of({0: END}, 4))
+    assert audit.main(str(tmp_path)) == 2
+    assert "--audit" in capsys.readouterr().err
