@@ -32,7 +32,7 @@ from typing import Any
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from ulfmtrain.metrics import pyplot, save_figure  # noqa: E402
+from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "reload"
 MODES = ("partial", "full")

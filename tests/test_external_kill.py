@@ -19,7 +19,7 @@ import pytest
 
 from ulfmtrain.audit import audit_logs
 from ulfmtrain.launch import mpirun_prefix
-from ulfmtrain.metrics import read_rank_logs
+from ulfmtrain.events import read_rank_logs
 
 pytestmark = pytest.mark.faults
 RANKS, BOUND_S = 4, 90

@@ -10,7 +10,7 @@ import pytest
 from ulfmtrain.audit import audit_logs
 from ulfmtrain.data import ShardedDataset, check_coverage, initial_holdings, plan_recovery
 from ulfmtrain.faults import parse_kills
-from ulfmtrain.metrics import read_rank_logs
+from ulfmtrain.events import read_rank_logs
 
 pytestmark = pytest.mark.faults
 RANKS, EPOCHS, BOUND_S = 4, 3, 120

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ulfmtrain.metrics import read_rank_logs
+from ulfmtrain.events import read_rank_logs
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 SUBNET = "10.213.0"

@@ -11,7 +11,7 @@ import pytest
 
 from ulfmtrain.checkpoint import list_checkpoints, load_latest, read_pointer
 from ulfmtrain.data import ShardedDataset, initial_holdings
-from ulfmtrain.metrics import read_rank_logs
+from ulfmtrain.events import read_rank_logs
 
 pytestmark = pytest.mark.faults
 RANKS, EPOCHS, EVERY = 4, 3, 10     # digits: 23 steps per epoch on 4 ranks, 69 in all

@@ -14,19 +14,16 @@ try:
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
+# The public API: what a training program needs.  Everything else stays importable from its module
+# (ulfmtrain.data, ulfmtrain.checkpoint, ulfmtrain.faults, ...).  README.md lists these names.
 _EXPORTS = {
-    "FTSGD": "optim", "DistributedOptimizer": "optim",
-    "FaultTolerantComm": "comm", "PlainComm": "comm", "RecoveryEvent": "comm",
-    "FaultToleranceUnavailable": "comm", "require_fault_tolerance": "comm",
-    "Trainer": "trainer", "TrainConfig": "trainer",
-    "Kill": "faults", "parse_kill": "faults", "parse_kills": "faults", "KillSpecError": "faults",
-    "build_model": "models", "DigitsCNN": "models", "MLP": "models",
-    "ShardedDataset": "data", "DatasetError": "data", "digits_to_dataset": "data",
-    "arrays_to_dataset": "data", "synthetic_dataset": "data", "plan_recovery": "data",
-    "mpirun_command": "launch",
-    "Checkpointer": "checkpoint", "CheckpointError": "checkpoint", "load_latest": "checkpoint",
-    "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
-    "run_compare": "compare",
+    "FaultTolerantComm": "comm", "FaultToleranceUnavailable": "comm", "FaultPathError": "comm",
+    "DistributedOptimizer": "optim", "FTSGD": "optim",
+    "distributed_sampler": "sampler",
+    "Trainer": "trainer", "TrainConfig": "job",
+    "Checkpointer": "checkpoint", "CheckpointError": "checkpoint",
+    "digits_to_dataset": "data", "arrays_to_dataset": "data", "DatasetError": "data",
+    "parse_kills": "faults", "KillSpecError": "faults",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -9,13 +9,13 @@ that committed has still left its line.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .metrics import read_rank_logs
+from .events import Event, read_rank_logs, select
+from .modes import DataPolicy
 
 
 @dataclass
@@ -37,8 +37,8 @@ class EpochAudit:
 def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[EpochAudit]:
     """One row per epoch that has audit lines."""
     if count is None:
-        count = next(x["count"] for recs in logs.values() for x in recs if x["event"] == "start")
-    lines = [x for recs in logs.values() for x in recs if x["event"] == "audit"]
+        count = select(logs, Event.START)[0]["count"]
+    lines = select(logs, Event.AUDIT)
     last: dict[int, int] = defaultdict(int)
     for x in lines:
         last[x["step"]] = max(last[x["step"]], x["attempt"])
@@ -46,8 +46,8 @@ def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[Ep
     for x in lines:
         if x["attempt"] == last[x["step"]]:
             seen[x["epoch"]].update(x["ids"])
-    survivors = [recs for recs in logs.values() if any(x["event"] == "end" for x in recs)] or list(logs.values())
-    closed = set.intersection(*({x["epoch"] for x in recs if x["event"] == "epoch"} for recs in survivors))
+    survivors = [recs for recs in logs.values() if select(recs, Event.END)] or list(logs.values())
+    closed = set.intersection(*({x["epoch"] for x in select(recs, Event.EPOCH)} for recs in survivors))
     return [EpochAudit(e, count, len(c), sum(c.values()) - len(c), count - len(c), e in closed)
             for e, c in sorted(seen.items())]
 
@@ -59,11 +59,11 @@ def main(out_dir: str) -> int:
         print(f"ulfmtrain: error: no rank logs in {out_dir!r}: give the --out directory of a train run",
               file=sys.stderr)
         return 2
-    if not any(x["event"] == "audit" for recs in logs.values() for x in recs):
+    if not select(logs, Event.AUDIT):
         print(f"ulfmtrain: error: {out_dir!r} has no audit lines: train with --audit", file=sys.stderr)
         return 2
-    policy = next((x["config"].get("data_policy", "exactly-once") for recs in logs.values() for x in recs
-                   if x["event"] == "start"), "exactly-once")
+    policy = next((x["config"].get("data_policy", DataPolicy.EXACTLY_ONCE) for x in select(logs, Event.START)),
+                  DataPolicy.EXACTLY_ONCE)
     rows = audit_logs(logs)
     print(f"{'epoch':>5} {'records':>8} {'seen':>8} {'duplicates':>10} {'missing':>8}")
     for r in rows:
@@ -77,8 +77,3 @@ def main(out_dir: str) -> int:
         return 1
     print(f"{policy}: " + ("every record exactly once per epoch" if not bad else f"epochs {bad} skipped records"))
     return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The audit command's arguments."""
-    p.add_argument("out", type=Path, help="the --out directory of a `train --audit` run")

@@ -1,27 +1,41 @@
 """`python -m ulfmtrain demo`: the same job with and without a SIGKILL, side by side."""
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .faults import mid_run_kill
 from .launch import mpirun_command
-from .metrics import loss_curve, plot_loss, read_rank_logs
+from .events import Event, loss_curve, read_rank_logs, select
+from .job import DEFAULT_BATCH, TrainConfig, TrainJob
+from .plots import plot_loss
+
+
+@dataclass
+class DemoOptions:
+    """What `demo` runs (its flags, see cli.py)."""
+
+    out: str = "ulfmtrain-demo"
+    ranks: int = 4
+    epochs: int = 20
+    kill: str | None = None      # default: rank 1, mid-epoch, about 60 % in
+    model: str = "cnn"
+    timeout: float = 600.0
 
 
 RECOVERY_PARTS = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "redo_ms", "reload_ms")
 
 
-def _run(label: str, out: Path, data: Path, args: argparse.Namespace, kills: list[str]) -> dict:
+def _run(label: str, out: Path, data: Path, args: DemoOptions, kills: list[str]) -> dict:
     import subprocess
 
     run_dir = out / label
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = ["train", "--data", str(data), "--out", str(run_dir), "--epochs", str(args.epochs),
-            "--model", args.model] + [a for k in kills for a in ("--kill", k)]
+    argv = TrainJob(data=data, out=run_dir, model=args.model, kill_specs=kills,
+                    config=TrainConfig(epochs=args.epochs)).to_argv()
     print(f"== {label}: {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
     subprocess.run(mpirun_command(args.ranks, argv), timeout=args.timeout, check=False)
@@ -34,7 +48,7 @@ def _run(label: str, out: Path, data: Path, args: argparse.Namespace, kills: lis
     logs = read_rank_logs(run_dir)
     survivor = min(summary["alive"])
     summary["loss_curve"] = loss_curve(logs[survivor])
-    summary["kill_steps"] = [r["step"] for recs in logs.values() for r in recs if r["event"] == "kill"]
+    summary["kill_steps"] = [r["step"] for r in select(logs, Event.KILL)]
     return summary
 
 
@@ -42,7 +56,7 @@ def _row(name: str, a: str, b: str) -> str:
     return f"  {name:<28}{a:>18}{b:>22}"
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_demo(args: DemoOptions) -> int:
     from . import data
 
     out = Path(args.out)
@@ -51,7 +65,7 @@ def run_demo(args: argparse.Namespace) -> int:
         data.digits_to_dataset(data_dir)
     with data.ShardedDataset(data_dir / "train.ulfmds") as ds:
         n_train = ds.count
-    kill = args.kill or mid_run_kill(n_train, args.ranks, 16, args.epochs)
+    kill = args.kill or mid_run_kill(n_train, args.ranks, DEFAULT_BATCH, args.epochs)
 
     clean = _run("failure-free", out, data_dir, args, [])
     faulty = _run("sigkill", out, data_dir, args, [kill])

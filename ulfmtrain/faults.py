@@ -13,15 +13,13 @@ import signal
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-# "init": before the initial state broadcast (STEP 0); "final": before the final consistency check (any STEP);
-# "allreduce": between two buckets of the step's reduction (after the sample count, with one bucket);
-# "commit": right before the commit agree; "recovery": inside the next repair, after the shrink;
-# "checkpoint": rank 0 dies half-way through writing the checkpoint of STEP (checkpoint.py calls it).
-PHASES = ("init", "forward", "backward", "allreduce", "commit", "update", "recovery", "checkpoint", "final")
+from .modes import Phase
+
+PHASES = tuple(p.value for p in Phase)     # what each one means: modes.Phase
 DEFAULT_BACKWARD_FRACTION = 0.5
 _SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?$")
-_HELP = ("expected RANK@STEP[:PHASE], PHASE one of forward, backward[=FRACTION], "
-         "allreduce, commit, update, recovery, checkpoint, init, final (e.g. 1@300 or 2@40:backward=0.25)")
+_HELP = (f"expected RANK@STEP[:PHASE], PHASE one of {', '.join(PHASES).replace('backward', 'backward[=FRACTION]')} "
+         "(e.g. 1@300 or 2@40:backward=0.25)")
 
 
 class KillSpecError(ValueError):

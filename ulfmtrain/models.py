@@ -72,3 +72,8 @@ def build_model(name: str, inputs: int = 64, classes: int = 10) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def large_mlp() -> MLP:
+    """A 6.3 M-parameter MLP over 1024 features (50 MB checkpoints with momentum): `--model ulfmtrain.models:large_mlp`."""
+    return MLP(1024, hidden=(2048, 2048), classes=10)

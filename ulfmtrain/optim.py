@@ -19,8 +19,8 @@ import torch
 from mpi4py import MPI
 
 from . import faults
+from .job import DEFAULT_BUCKET_BYTES
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 # MPI has no bfloat16 and Open MPI's float16 reduction is not portable: half
 # precision travels as float32 (exact for the values, and a sum of N halves is
 # better in float32 anyway).

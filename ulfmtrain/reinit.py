@@ -20,13 +20,16 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 from mpi4py import MPI
 
 from . import _ftcoll
 from .comm import FaultTolerantComm
 from .faults import Kill, parse_kill
+
+if TYPE_CHECKING:
+    from .job import TrainJob
 
 SPAWN_TIMEOUT_S = 60.0   # a spawn takes 1-10 s here; one that has not finished by then will not
 
@@ -63,23 +66,10 @@ class ReinitComm(FaultTolerantComm):
         raise GlobalRestart(fresh, report, wall_error, time.time())
 
 
-def child_argv(argv: Sequence[str], dead: set[int]) -> list[str]:
-    """The train command for a replacement: the same, less the kills of the dead slots (they fired)."""
-    out: list[str] = []
-    it = iter(argv)
-    for a in it:
-        spec = None
-        if a == "--kill":
-            spec = next(it, "")
-        elif a.startswith("--kill="):
-            spec = a.split("=", 1)[1]
-        elif a == "--resume":
-            continue                     # a replacement always resumes
-        if spec is None:
-            out.append(a)
-        elif parse_kill(spec).rank not in dead:
-            out += ["--kill", spec]
-    return out
+def replacement_job(job: TrainJob, dead: set[int]) -> TrainJob:
+    """The job of a replacement: the same, resuming, less the kills of the dead slots (they fired)."""
+    kept = [spec for spec in job.kill_specs if parse_kill(spec).rank not in dead]
+    return job.replace(kill_specs=kept, checkpoint={"resume": True})
 
 
 def _watchdog(what: str) -> threading.Timer:
@@ -105,7 +95,7 @@ def _world(merged: MPI.Intracomm, slot: int, target: int, history: list[int]) ->
     return comm
 
 
-def rebuild_world(g: GlobalRestart, old: ReinitComm, argv: Sequence[str]) -> tuple[ReinitComm, dict[str, Any]]:
+def rebuild_world(g: GlobalRestart, old: ReinitComm, job: TrainJob) -> tuple[ReinitComm, dict[str, Any]]:
     """Survivors: spawn a replacement per dead slot, merge, and return the rebuilt world and its timings."""
     shrunk = g.shrunk
     slots = shrunk.allgather(old.world_rank)
@@ -122,7 +112,7 @@ def rebuild_world(g: GlobalRestart, old: ReinitComm, argv: Sequence[str]) -> tup
     try:
         # Started like this process (-P: a source tree in the working directory must not shadow it).
         flags = ["-P"] if getattr(sys.flags, "safe_path", False) else []
-        inter = shrunk.Spawn(sys.executable, [*flags, "-m", "ulfmtrain", *child_argv(argv, set(dead))],
+        inter = shrunk.Spawn(sys.executable, [*flags, "-m", "ulfmtrain", *replacement_job(job, set(dead)).to_argv()],
                              maxprocs=len(dead), root=0)
     except MPI.Exception as exc:
         inter, info["spawn_error"] = None, exc.Get_error_string()
@@ -164,19 +154,19 @@ def join_world() -> ReinitComm:
 
 
 def fit_with_reinit(trainer: Any, build: Callable[[ReinitComm, list[Kill], bool], Any],
-                    kills: list[Kill], argv: Sequence[str] | None = None) -> dict[str, Any]:
+                    job: TrainJob) -> dict[str, Any]:
     """Train; on every failure rebuild the world to its full size and roll every rank back to the checkpoint."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    kills = [parse_kill(spec) for spec in job.kill_specs]
     if trainer.comm.joined:
         trainer.log("reinit", **trainer.comm.joined)
     while True:
         try:
             return trainer.fit()
         except GlobalRestart as g:
-            comm, info = rebuild_world(g, trainer.comm, argv)
+            comm, info = rebuild_world(g, trainer.comm, job)
             dead = set(info["dead"])
             kills = [k for k in kills if k.rank not in dead]
-            argv = child_argv(argv, dead)
+            job = replacement_job(job, dead)
             if hasattr(trainer.log, "close"):
                 trainer.log.close()
             trainer = build(comm, kills, True)    # reads the whole shard again and resumes

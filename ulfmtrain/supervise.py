@@ -13,7 +13,6 @@ times) and, on success, summary.json of the attempt that finished.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -28,8 +27,9 @@ from typing import Any, Sequence
 from .atomic import write_json
 from .checkpoint import has_checkpoint, read_pointer
 from .faults import Kill, parse_kills
+from .job import TrainJob
 from .launch import mpirun_command
-from .metrics import read_rank_logs
+from .events import Event, read_rank_logs, select
 
 PROG = "ulfmtrain supervise"
 # How Open MPI's launcher reports a rank that died (prterun / mpirun).
@@ -38,31 +38,6 @@ _NOTICED = re.compile(r"noticed that process rank \d+")
 
 class SuperviseError(Exception):
     """A supervise command line that cannot run."""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The supervise subcommand's flags."""
-    p.add_argument("-n", type=int, required=True, help="number of ranks of the first attempt")
-    p.add_argument("--max-attempts", type=int, default=5, help="launches in all, the first included")
-    p.add_argument("--relaunch", choices=("same", "fewer"), default="same",
-                   help="relaunch with the same number of ranks, or one fewer per failed rank")
-    p.add_argument("--min-ranks", type=int, default=1, help="with --relaunch fewer: never go below this")
-    p.add_argument("--timeout", type=float, default=None, help="seconds one attempt may take before it is killed")
-    p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
-    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ... --recovery restart --ckpt-dir DIR ...")
-
-
-def _strip(argv: Sequence[str], flags: dict[str, bool]) -> list[str]:
-    """Drop flags (name -> takes a value) from argv, in both --f V and --f=V forms."""
-    out, it = [], iter(argv)
-    for a in it:
-        name = a.split("=", 1)[0]
-        if name in flags:
-            if flags[name] and "=" not in a:
-                next(it, None)
-            continue
-        out.append(a)
-    return out
 
 
 def _pump(src: Any, dst: Any, notice: list[float]) -> None:
@@ -99,52 +74,36 @@ def run_attempt(cmd: list[str], timeout: float | None) -> dict[str, Any]:
             "t_failure_reported": notice[0] if notice else None, "t_exit": t_exit}
 
 
-def _parse_train(argv: Sequence[str]) -> argparse.Namespace:
-    from .cli import build_parser
-
-    if not argv or argv[0] != "train":
-        raise SuperviseError("supervise needs a train command after --, e.g. "
-                             "`supervise -n 4 -- train --data DIR --recovery restart --ckpt-dir CKPT --ckpt-every 20`")
-    return build_parser().parse_args(list(argv))
-
-
-def supervise(n: int, argv: Sequence[str], *, max_attempts: int = 5, relaunch: str = "same",
+def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "same",
               min_ranks: int = 1, timeout: float | None = None, mpirun_args: Sequence[str] = ()) -> int:
-    """Run the train command until it completes, relaunching from the latest checkpoint; return an exit status."""
-    argv = list(argv[1:] if argv and argv[0] == "--" else argv)
-    args = _parse_train(argv)
+    """Run the train job until it completes, relaunching from the latest checkpoint; return an exit status."""
     if n < 1 or max_attempts < 1 or min_ranks < 1:
         raise SuperviseError("-n, --max-attempts and --min-ranks must be at least 1")
-    if not any(a == "--recovery" or a.startswith("--recovery=") for a in argv):
-        argv += ["--recovery", "restart"]
-        args.recovery = "restart"
-    if not args.ckpt_dir:
+    if job.checkpoint.directory is None:
         raise SuperviseError("supervise relaunches from checkpoints: add --ckpt-dir DIR "
                              "(and --ckpt-every K or --ckpt-epoch) to the train command")
-    kills: list[Kill] = parse_kills(args.kill, n)
-    out, ckpt = Path(args.out), Path(args.ckpt_dir)
+    kills: list[Kill] = parse_kills(job.kill_specs, n)
+    out, ckpt = job.out, job.checkpoint.directory
     out.mkdir(parents=True, exist_ok=True)
-    base = _strip(argv, {"--out": True, "--kill": True, "--resume": False})
-    record: dict[str, Any] = {"ranks": n, "argv": argv, "recovery": args.recovery, "relaunch": relaunch,
+    record: dict[str, Any] = {"ranks": n, "argv": job.to_argv(), "recovery": job.recovery, "relaunch": relaunch,
                               "max_attempts": max_attempts, "attempts": []}
     ranks = n
     for attempt in range(1, max_attempts + 1):
         run_dir = out / f"attempt-{attempt}"
-        resume = args.resume if attempt == 1 else has_checkpoint(ckpt)
+        resume = job.checkpoint.resume if attempt == 1 else has_checkpoint(ckpt)
         pointer = read_pointer(ckpt) if resume else None
-        av = base + ["--out", str(run_dir)] + [a for k in kills for a in ("--kill", str(k))]
-        av += ["--resume"] if resume else []
-        cmd = mpirun_command(ranks, av, mpirun_args=mpirun_args, ft=args.recovery != "restart")
+        av = job.replace(out=run_dir, kill_specs=[str(k) for k in kills], checkpoint={"resume": resume}).to_argv()
+        cmd = mpirun_command(ranks, av, mpirun_args=mpirun_args, ft=job.recovery.fault_tolerant)
         print(f"{PROG}: attempt {attempt}/{max_attempts}: {ranks} ranks"
               + (f", resuming from {pointer['file']}" if pointer else ", from scratch" if not resume else ""),
               file=sys.stderr, flush=True)
         res = run_attempt(cmd, timeout)
         logs = read_rank_logs(run_dir) if run_dir.exists() else {}
-        fired = sorted({r["spec"] for recs in logs.values() for r in recs if r["event"] == "kill"})
-        started = any(r["event"] == "start" for recs in logs.values() for r in recs)
+        fired = sorted({r["spec"] for r in select(logs, Event.KILL)})
+        started = bool(select(logs, Event.START))
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-        done = summary is not None and summary.get("epochs") == args.epochs
+        done = summary is not None and summary.get("epochs") == job.config.epochs
         res.update(attempt=attempt, ranks=ranks, out=str(run_dir), argv=av, resume=resume,
                    resumed_from=pointer["file"] if pointer else None, kills_fired=fired, completed=done)
         record["attempts"].append(res)
@@ -177,11 +136,10 @@ def supervise(n: int, argv: Sequence[str], *, max_attempts: int = 5, relaunch: s
     return 1
 
 
-def main(args: argparse.Namespace) -> int:
-    """Entry point of `python -m ulfmtrain supervise`."""
+def main(n: int, job: TrainJob, **options: Any) -> int:
+    """Entry point of `python -m ulfmtrain supervise` (options: supervise's keyword arguments)."""
     try:
-        return supervise(args.n, args.argv, max_attempts=args.max_attempts, relaunch=args.relaunch,
-                         min_ranks=args.min_ranks, timeout=args.timeout, mpirun_args=args.mpirun_arg)
+        return supervise(n, job, **options)
     except SuperviseError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

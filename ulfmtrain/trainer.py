@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -14,28 +14,10 @@ from . import faults
 from .atomic import write_json
 from .data import LocalShard, ShardedDataset, initial_holdings, plan_recovery, ranges_len
 from .faults import Kill
-from .metrics import MetricsWriter
-from .optim import DEFAULT_BUCKET_BYTES, FTSGD, DistributedOptimizer
+from .events import EventLog
+from .job import TrainConfig
+from .optim import FTSGD, DistributedOptimizer
 from .sampler import EpochSampler
-
-
-@dataclass
-class TrainConfig:
-    """Hyper-parameters and policy of one run."""
-
-    epochs: int = 20
-    batch: int = 16            # per rank; stays the same after a shrink (a short queue gives a short batch)
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    seed: int = 0
-    reload: str = "partial"    # "partial": read only my share of the lost records; "full": re-read my whole shard
-    data_policy: str = "exactly-once"   # or "lossy": a dead rank's uncommitted records are skipped this epoch
-    audit: bool = False        # log the record ids of every step attempt (python -m ulfmtrain audit OUT)
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    progress: bool = True
-    recovery: str = "shrink"   # "shrink" (ULFM, go on with the survivors), "restart" (checkpoint-restart
-                               # under a supervisor) or "reinit" (global rollback inside the job)
 
 
 def _int32(x: int) -> int:
@@ -65,7 +47,7 @@ class Trainer:
         self.cfg = cfg = config or TrainConfig()
         self.model, self.comm = model, comm
         self.out_dir = Path(out_dir) if out_dir else None
-        self.log = MetricsWriter(self.out_dir, comm.world_rank) if self.out_dir else (lambda *a, **k: None)
+        self.log = EventLog(self.out_dir, comm.world_rank) if self.out_dir else (lambda *a, **k: None)
         faults.arm(kills, comm.world_rank, self.log)
         self.checkpointer = checkpointer
 

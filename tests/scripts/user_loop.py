@@ -12,7 +12,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from ulfmtrain import DistributedOptimizer, FaultTolerantComm
-from ulfmtrain.metrics import MetricsWriter
+from ulfmtrain.events import EventLog
 from ulfmtrain.models import DigitsCNNBN
 from ulfmtrain.sampler import distributed_sampler
 
@@ -31,7 +31,7 @@ model = DigitsCNNBN()
 opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), comm, model=model, bucket_bytes=20000)
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=EPOCHS * 30)
 sampler = distributed_sampler(comm, opt, len(y), BATCH, seed=1)
-log = MetricsWriter(out, comm.world_rank)
+log = EventLog(out, comm.world_rank)
 log("start", count=len(y), config={"data_policy": "exactly-once"})
 batch = torch.empty(0, dtype=torch.long)
 opt.add_attempt_hook(lambda step, attempt: log("audit", step=step, attempt=attempt, epoch=sampler.epoch,

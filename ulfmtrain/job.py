@@ -1,0 +1,153 @@
+"""The train job, typed: every `train` flag with its default and its cross-flag checks, and back to argv.
+
+Everything that starts or restarts a job (`train`, `supervise`, reinit's
+replacements, `compare`, `demo`, the benchmarks) builds a TrainJob; nobody
+edits a train command line by hand.  Light to import: no torch, no MPI.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .faults import parse_kill
+from .modes import CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, UsageError
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpointer
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20    # gradient bucket size (torch DDP's default)
+DEFAULT_BATCH = 16                   # records per rank and step
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters and data policy of one run."""
+
+    epochs: int = 20
+    batch: int = DEFAULT_BATCH   # per rank; stays the same after a shrink (a short queue gives a short batch)
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    seed: int = 0
+    reload: Reload = Reload.PARTIAL
+    data_policy: DataPolicy = DataPolicy.EXACTLY_ONCE
+    audit: bool = False          # log the record ids of every step attempt (python -m ulfmtrain audit OUT)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    progress: bool = True
+
+
+@dataclass
+class CheckpointOptions:
+    """Where and when checkpoints are written, and whether to start from one."""
+
+    directory: Path | None = None
+    every: int = 0                # steps between checkpoints (0: none by count)
+    epoch: bool = False           # at every epoch end (the default when `every` is 0)
+    strategy: CheckpointStrategy = CheckpointStrategy.BLOCKING
+    inflight: int = 2
+    keep: int = 3
+    resume: bool = False
+
+
+@dataclass
+class TrainJob:
+    """One `train` run: data, model, config, kills, recovery mode, checkpoints and outputs."""
+
+    data: Path | None = None          # a directory with train.ulfmds (and test.ulfmds)
+    train_file: Path | None = None    # or the files themselves
+    test_file: Path | None = None
+    model: str = "cnn"
+    config: TrainConfig = field(default_factory=TrainConfig)
+    kill_specs: list[str] = field(default_factory=list)     # RANK@STEP[:PHASE], checked against the world size
+    recovery: Recovery = Recovery.SHRINK
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    out: Path = Path("ulfmtrain-out")
+    finalize_timeout: float = 5.0
+
+    # -- from and to the command line -----------------------------------------
+    @classmethod
+    def from_args(cls, ns: Any) -> TrainJob:
+        """The job of a parsed `train` command line (cli.py's parser)."""
+        def path(v: str | None) -> Path | None:
+            return Path(v) if v else None
+
+        config = TrainConfig(epochs=ns.epochs, batch=ns.batch, lr=ns.lr, momentum=ns.momentum,
+                             weight_decay=ns.weight_decay, seed=ns.seed, reload=Reload(ns.reload),
+                             data_policy=DataPolicy(ns.data_policy), audit=ns.audit, bucket_bytes=ns.bucket_bytes,
+                             progress=not ns.no_progress)
+        ckpt = CheckpointOptions(path(ns.ckpt_dir), ns.ckpt_every, ns.ckpt_epoch, CheckpointStrategy(ns.ckpt_strategy),
+                                 ns.ckpt_inflight, ns.ckpt_keep, ns.resume)
+        return cls(path(ns.data), path(ns.train_file), path(ns.test_file), ns.model, config, list(ns.kill),
+                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout)
+
+    def to_argv(self) -> list[str]:
+        """The `train ...` command line that from_args turns back into this job."""
+        c, k = self.config, self.checkpoint
+        argv = ["train"]
+        for flag, value in (("--data", self.data), ("--train", self.train_file), ("--test", self.test_file),
+                            ("--ckpt-dir", k.directory)):
+            if value is not None:
+                argv += [flag, str(value)]
+        argv += ["--model", self.model, "--epochs", str(c.epochs), "--batch", str(c.batch), "--lr", repr(c.lr),
+                 "--momentum", repr(c.momentum), "--weight-decay", repr(c.weight_decay), "--seed", str(c.seed),
+                 "--reload", c.reload.value, "--data-policy", c.data_policy.value,
+                 "--bucket-bytes", str(c.bucket_bytes), "--out", str(self.out),
+                 "--finalize-timeout", repr(self.finalize_timeout), "--recovery", self.recovery.value,
+                 "--ckpt-every", str(k.every), "--ckpt-strategy", k.strategy.value,
+                 "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep)]
+        for flag, on in (("--audit", c.audit), ("--no-progress", not c.progress), ("--ckpt-epoch", k.epoch),
+                         ("--resume", k.resume)):
+            if on:
+                argv.append(flag)
+        for spec in self.kill_specs:
+            argv += ["--kill", spec]
+        return argv
+
+    def replace(self, **changes: Any) -> TrainJob:
+        """A copy with some fields changed (config= and checkpoint= take dicts of their own fields)."""
+        for name in ("config", "checkpoint"):
+            if isinstance(changes.get(name), dict):
+                changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
+        return dataclasses.replace(self, **changes)
+
+    # -- checks and what follows from the flags --------------------------------
+    def validate(self) -> None:
+        """Raise UsageError naming the problem and the fix for flags that do not go together."""
+        for spec in self.kill_specs:
+            kill = parse_kill(spec)
+            if kill.phase == Phase.CHECKPOINT and kill.rank != 0:
+                raise UsageError(f"kill spec {spec!r} never fires: only rank 0 writes checkpoints "
+                                 "(use 0@STEP:checkpoint)")
+        k = self.checkpoint
+        if k.directory is None:
+            if self.recovery.needs_checkpoints:
+                raise UsageError(f"--recovery {self.recovery} rolls back to a checkpoint: add --ckpt-dir DIR "
+                                 "(and --ckpt-every K or --ckpt-epoch)")
+            for flag, val in (("--ckpt-every", k.every), ("--ckpt-epoch", k.epoch), ("--resume", k.resume)):
+                if val:
+                    raise UsageError(f"{flag} needs a checkpoint directory: add --ckpt-dir DIR")
+        self.dataset_paths()
+
+    def dataset_paths(self) -> tuple[Path, Path | None]:
+        """The training file and the optional test file."""
+        if self.train_file:
+            return self.train_file, self.test_file
+        if not self.data:
+            raise UsageError("no dataset given: pass --data DIR (create one with `python -m ulfmtrain data digits DIR`)")
+        if not (self.data / "train.ulfmds").exists():
+            raise UsageError(f"dataset directory {str(self.data)!r} has no train.ulfmds: "
+                             f"create it with `python -m ulfmtrain data digits {self.data}`")
+        test = self.data / "test.ulfmds"
+        return self.data / "train.ulfmds", test if test.exists() else None
+
+    def checkpointer(self, resume: bool = False) -> Checkpointer | None:
+        """The job's Checkpointer (None without a checkpoint directory); resume=True forces a resume."""
+        k = self.checkpoint
+        if k.directory is None:
+            return None
+        from .checkpoint import Checkpointer
+
+        return Checkpointer(k.directory, every=k.every, epoch=k.epoch or not k.every, strategy=k.strategy,
+                            max_inflight=k.inflight, keep=k.keep, resume=resume or k.resume)

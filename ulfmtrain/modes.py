@@ -1,0 +1,196 @@
+"""Every mode and policy, defined once, and `run(job)`: how each recovery mode starts, trains and ends.
+
+The enums are `StrEnum`s: their values are what the command line, the logs
+and the checkpoints carry, and they compare equal to those strings.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+import traceback
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:      # light at import: supervise, compare and the parser need only the enums
+    from .comm import FaultTolerantComm
+    from .faults import Kill
+    from .job import TrainJob
+    from .trainer import Trainer
+
+PROG = "ulfmtrain"
+
+
+class Recovery(StrEnum):
+    """What the job does when a rank dies."""
+
+    SHRINK = "shrink"      # ULFM: the survivors shrink the communicator and train on
+    RESTART = "restart"    # plain MPI: the job ends, `supervise` relaunches it from the latest checkpoint
+    REINIT = "reinit"      # ULFM: survivors spawn replacements and every rank rolls back to the checkpoint
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """mpirun gets --with-ft ulfm."""
+        return self is not Recovery.RESTART
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """The mode rolls back to a checkpoint, so --ckpt-dir is required."""
+        return self is not Recovery.SHRINK
+
+    def make_comm(self) -> FaultTolerantComm:
+        """This mode's communicator over the job's world."""
+        from .comm import FaultTolerantComm, PlainComm
+
+        if self is Recovery.REINIT:
+            from .reinit import join_world
+            return join_world()     # a replacement spawned by a rebuild joins its spawners here
+        if self is Recovery.RESTART:
+            return PlainComm()      # type: ignore[return-value]  # same interface, failures are fatal
+        return FaultTolerantComm()
+
+
+class Reload(StrEnum):
+    """What a survivor reads after a failure."""
+
+    PARTIAL = "partial"    # only its share of the lost records
+    FULL = "full"          # its whole new shard again
+
+
+class DataPolicy(StrEnum):
+    """What happens to a dead rank's uncommitted records of the current epoch."""
+
+    EXACTLY_ONCE = "exactly-once"   # handed to the survivors
+    LOSSY = "lossy"                 # skipped this epoch (paper 000's Lossy-Forward)
+
+
+class CheckpointStrategy(StrEnum):
+    """How rank 0 writes a checkpoint."""
+
+    BLOCKING = "blocking"       # every rank waits while it writes
+    OVERLAPPED = "overlapped"   # it snapshots; a background thread writes
+
+
+class Phase(StrEnum):
+    """Program points where a kill schedule can fire (faults.point)."""
+
+    INIT = "init"              # before the initial state broadcast (STEP 0)
+    FORWARD = "forward"
+    BACKWARD = "backward"      # =FRACTION of the way through backward
+    ALLREDUCE = "allreduce"    # between two buckets of the reduction (after the sample count, with one bucket)
+    COMMIT = "commit"          # right before the commit agree
+    UPDATE = "update"
+    RECOVERY = "recovery"      # inside the next repair, after the shrink
+    CHECKPOINT = "checkpoint"  # rank 0, half-way through writing the checkpoint of STEP
+    FINAL = "final"            # before the final consistency check (any STEP)
+
+
+def choices(enum: type[StrEnum]) -> list[str]:
+    """The values of an enum, for a parser or an error message."""
+    return [m.value for m in enum]
+
+
+def parse(enum: type[StrEnum], value: str, what: str) -> Any:
+    """The member whose value is `value`, or one ValueError line naming the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(choices(enum))}") from None
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line, exit status 2."""
+
+
+class _PeerFailed(Exception):
+    """Another rank reported the error; this one exits quietly."""
+
+
+def _build_trainer(job: TrainJob, model: Any, comm: Any, kills: list[Kill], resume: bool) -> Trainer:
+    """A trainer over this rank's shard, or every rank stops together (one uniform decision)."""
+    from .data import DatasetError
+    from .trainer import Trainer
+
+    train_path, test_path = job.dataset_paths()
+    error = None
+    t_init, t0 = time.time(), time.perf_counter()
+    try:
+        trainer = Trainer(model, comm, train_path, test_path, job.config, kills, job.out,
+                          checkpointer=job.checkpointer(resume))
+    except DatasetError as exc:   # e.g. a corrupt record in my shard only
+        error = exc
+    init_ms = (time.perf_counter() - t0) * 1e3
+    # Uniform: either every rank loaded its shard or all stop together,
+    # rather than the others "recovering" from the one that exited.
+    if not comm.agree(0 if error else 1):
+        if error:
+            raise error
+        raise _PeerFailed
+    if job.recovery is not Recovery.SHRINK:
+        # Reading the whole shard is the data reload of a restart: compare times it.
+        trainer.log("ready", t_init=t_init, init_ms=init_ms, load_ms=trainer.load_ms,
+                    bytes_read=trainer.train.bytes_read, recovery=job.recovery, world=comm.size)
+    return trainer
+
+
+def run(job: TrainJob) -> int:
+    """Train `job` on this rank (under mpirun) in its recovery mode; return the exit status."""
+    import torch
+    from mpi4py import MPI
+
+    from .checkpoint import CheckpointError
+    from .comm import FaultToleranceUnavailable
+    from .data import DatasetError, ShardedDataset
+    from .faults import KillSpecError, parse_kills
+    from .lifecycle import finalize
+    from .models import build_model
+
+    torch.set_num_threads(1)   # one rank per core; more threads only fight
+    first = MPI.COMM_WORLD.Get_rank() == 0
+    comm: Any = None
+    try:
+        try:
+            comm = job.recovery.make_comm()
+            kills = parse_kills(job.kill_specs, comm.size)
+            job.validate()
+            job.checkpointer()           # its own checks, before any rank trains
+            train_path, _ = job.dataset_paths()
+            with ShardedDataset(train_path) as ds:   # header, size and shape checks, same on every rank
+                inputs = math.prod(ds.fields[0][2])
+                classes = int(ds.meta.get("classes", 10))
+            torch.manual_seed(job.config.seed)   # the same --seed gives the same initial model
+            model = build_model(job.model, inputs=inputs, classes=classes)
+        except (FaultToleranceUnavailable, KillSpecError, DatasetError, UsageError, ValueError) as exc:
+            # Every rank meets these alike: one of them says it.
+            if not first:
+                raise _PeerFailed from exc
+            raise UsageError(str(exc)) from exc
+        Path(job.out).mkdir(parents=True, exist_ok=True)
+
+        def build(comm: Any, kills: list[Kill], resume: bool) -> Trainer:
+            return _build_trainer(job, model, comm, kills, resume)
+
+        trainer = build(comm, kills, getattr(comm, "replacement", False))
+        if job.recovery is Recovery.REINIT:
+            from .reinit import fit_with_reinit
+            summary = fit_with_reinit(trainer, build, job)
+        else:
+            summary = trainer.fit()
+        if comm.rank == 0:
+            acc = summary["test_acc"]
+            tail = f", test accuracy {acc:.4f}" if acc is not None else ""
+            print(f"{PROG}: {summary['steps']} steps, world {summary['world_history']}{tail}", flush=True)
+    except _PeerFailed:
+        return finalize(job.finalize_timeout, 2)
+    except Exception as exc:
+        if isinstance(exc, (DatasetError, UsageError)):
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+            return finalize(job.finalize_timeout, 2)
+        if isinstance(exc, CheckpointError):   # raised alike on every rank: rank 0 says it
+            if comm is not None and comm.rank == 0:
+                print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+            return finalize(job.finalize_timeout, 2)
+        traceback.print_exc()                  # unexpected: still leave through the bounded finalize
+        return finalize(job.finalize_timeout, 1)
+    return finalize(job.finalize_timeout, 0)
