@@ -31,6 +31,7 @@ from typing import Any
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
 from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "convergence"
@@ -108,7 +109,7 @@ def plot(runs: dict[int, dict[str, dict]], plans: dict[int, tuple], path: Path) 
     fig, axes = plt.subplots(len(ns), 2, figsize=(10, 3.4 * len(ns)), squeeze=False)
     for row, n in zip(axes, ns):
         _, spe, kill_step = plans[n]
-        for i, (label, r) in enumerate(runs[n].items()):
+        for i, (_label, r) in enumerate(runs[n].items()):
             # Distinct dashes: kills before the allreduce leave identical survivors, so those curves coincide.
             style = (dict(color="k", lw=1.4) if r["kill"] is None
                      else dict(color=f"C{i}", lw=1.0, ls=("-", "--", ":", "-.")[i % 4]))

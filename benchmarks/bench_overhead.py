@@ -34,12 +34,14 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
 from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "overhead"
@@ -280,7 +282,8 @@ def _step_throughput(world, ft, model_name: str, steps: int, warmup: int, rounds
         "ftsgd_split_ms": {k: common.summarize(v) for k, v in split.items()},
         "commit_agree_ms": common.summarize(s / steps * 1e3 for s in agree_s),
         "per_round_agree_s": agree_s,
-        "ftsgd_equal_replicas": ft_equal, "ddp_equal_replicas": max(ddp_sums) - min(ddp_sums) < 1e-6 * max(1.0, abs(ddp_sums[0])),
+        "ftsgd_equal_replicas": ft_equal,
+        "ddp_equal_replicas": max(ddp_sums) - min(ddp_sums) < 1e-6 * max(1.0, abs(ddp_sums[0])),
     }
 
 
@@ -341,7 +344,8 @@ def run_n(n: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     launch = common.run_mpi(common.worker_command(n, __file__, argv, args), args.timeout, out / "mpirun.log",
                             done=lambda: (out / "result.json").exists())
     if not (out / "result.json").exists():
-        raise RuntimeError(f"n={n}: no result (mpirun rc {launch.returncode}); log tail:\n" + common.log_tail(launch.log))
+        raise RuntimeError(f"n={n}: no result (mpirun rc {launch.returncode}); log tail:\n"
+                           + common.log_tail(launch.log))
     res = json.loads((out / "result.json").read_text())
     for row in res["allreduce"]:
         med = {k: v["median"] for k, v in row["seconds"].items()}
@@ -451,13 +455,15 @@ def main(argv: list[str]) -> int:
         for n in args.ranks:
             for s in results[n]["step"]:
                 sps = {k: s["samples_per_s"][k]["median"] for k in STEP_IMPLS}
-                rows.append([n, s["model"], s["parameters"], s["batch_per_rank"], *(f"{sps[k]:.0f}" for k in STEP_IMPLS),
+                rows.append([n, s["model"], s["parameters"], s["batch_per_rank"],
+                             *(f"{sps[k]:.0f}" for k in STEP_IMPLS),
                              f"{s['ratio']['ftsgd/ddp']:.3f}", common.fmt(s["step_ms"]["ftsgd"]["median"]),
                              common.fmt(s["ftsgd_split_ms"]["compute"]["median"]),
                              common.fmt(s["ftsgd_split_ms"]["gradients"]["median"]),
                              common.fmt(s["ftsgd_split_ms"]["allreduce"]["median"]),
                              common.fmt(s["step_ms"]["ddp"]["median"]),
-                             common.fmt(s["commit_agree_ms"]["median"]), f"{100 * s['ratio']['commit_agree/step']:.2f} %",
+                             common.fmt(s["commit_agree_ms"]["median"]),
+                             f"{100 * s['ratio']['commit_agree/step']:.2f} %",
                              "yes" if s["ftsgd_equal_replicas"] and s["ddp_equal_replicas"] else "NO"])
         print(common.table(["n", "model", "params", "batch/rank", "FT-SGD", "DDP-gloo", "no comm", "FT-SGD/DDP",
                             "FT step ms", "fwd+bwd ms", "synchronize ms", "of which reductions ms", "DDP step ms",

@@ -32,6 +32,7 @@ from typing import Any
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
 from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "reload"
@@ -303,7 +304,8 @@ def main(argv: list[str]) -> int:
         "params": {"mib": args.mib, "features": args.features, "records": count, "record_size": record_size,
                    "ranks": args.ranks, "repeats": args.repeats},
         # Cold only if every drop succeeded and, where mincore could tell, under 1 % of the file stayed cached.
-        "cold_reads": not args.warm and all(results[n]["cache_dropped"] and (results[n]["max_resident_before_read"] or 0) < 0.01
+        "cold_reads": not args.warm and all(results[n]["cache_dropped"]
+                                            and (results[n]["max_resident_before_read"] or 0) < 0.01
                                             for n in args.ranks),
         "cold_method": "none (warm page cache)" if args.warm else COLD_METHOD,
         "cache_check": cache,

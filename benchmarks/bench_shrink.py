@@ -33,6 +33,7 @@ from typing import Any
 # `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
 from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "shrink"
@@ -166,7 +167,8 @@ def plot(by_n: dict[int, dict], path: Path) -> None:
     plt = pyplot()
     ns = sorted(by_n)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    series = [("total_ms", "kill → allreduce done", "k", 1.0), ("recovery_ms", "first error → allreduce done", "C0", 1.0),
+    series = [("total_ms", "kill → allreduce done", "k", 1.0),
+              ("recovery_ms", "first error → allreduce done", "C0", 1.0),
               ("detect_ms", "detection (kill → first error)", "C1", 1.0), ("shrink_ms", "MPIX_Comm_shrink", "C2", 1.0),
               ("redo_ms", "step redone on new comm", "C4", 1.0), ("agree_ms", "agree (after shrink)", "C3", 1.0),
               ("shrink_ff_us", "shrink, no failure (benchshrink)", "C2", 1e-3),
@@ -177,7 +179,8 @@ def plot(by_n: dict[int, dict], path: Path) -> None:
         hi = [(by_n[n][key]["p75"] - by_n[n][key]["median"]) * scale for n in ns]
         style = ":" if key.endswith("_us") else "-"
         ax.errorbar(ns, med, yerr=[lo, hi], label=label, color=color, ls=style, marker="o", ms=3, capsize=2)
-    ax.plot(ns, [by_n[n]["total_ms"]["slowest_median"] for n in ns], "k--", lw=0.8, label="kill → done, slowest survivor")
+    ax.plot(ns, [by_n[n]["total_ms"]["slowest_median"] for n in ns], "k--", lw=0.8,
+            label="kill → done, slowest survivor")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_yscale("log")

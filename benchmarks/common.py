@@ -23,9 +23,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from ulfmtrain import atomic
 from ulfmtrain.launch import mpirun_command, mpirun_prefix
@@ -285,7 +286,7 @@ def environment() -> dict[str, Any]:
         "ulfmtrain": _version("ulfmtrain"),
         "git": git_commit(),
         "command": portable(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
-        "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
 
 

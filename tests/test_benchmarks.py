@@ -39,7 +39,8 @@ def run_quick(name: str, results: Path, timeout: float) -> dict:
 def test_bench_shrink(tmp_path: Path) -> None:
     data = run_quick("shrink", tmp_path, 110)
     n2 = data["by_n"]["2"]
-    for key in ("detect_ms", "revoke_ms", "shrink_ms", "agree_ms", "commit_agree_ms", "redo_ms", "recovery_ms", "total_ms"):
+    for key in ("detect_ms", "revoke_ms", "shrink_ms", "agree_ms", "commit_agree_ms", "redo_ms", "recovery_ms",
+                "total_ms"):
         assert {"median", "p25", "p75", "min", "max", "slowest_median"} <= set(n2[key]), key
     for key in ("agree_ff_us", "shrink_ff_us", "agree_after_us", "shrink_after_us"):
         assert n2[key]["n"] >= 1, key

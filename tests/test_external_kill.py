@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from ulfmtrain.audit import audit_logs
-from ulfmtrain.launch import mpirun_prefix
 from ulfmtrain.events import read_rank_logs
+from ulfmtrain.launch import mpirun_prefix
 
 pytestmark = pytest.mark.faults
 RANKS, BOUND_S = 4, 90

@@ -9,8 +9,8 @@ import pytest
 
 from ulfmtrain.audit import audit_logs
 from ulfmtrain.data import ShardedDataset, check_coverage, initial_holdings, plan_recovery
-from ulfmtrain.faults import parse_kills
 from ulfmtrain.events import read_rank_logs
+from ulfmtrain.faults import parse_kills
 
 pytestmark = pytest.mark.faults
 RANKS, EPOCHS, BOUND_S = 4, 3, 120

@@ -24,8 +24,10 @@ def train_argv(data: Path, out: Path, *extra: str, ckpt: Path | None = None, rec
     return argv + ["--ckpt-dir", str(ckpt or out / "ckpt")] + list(extra)
 
 
-def supervise(root: Path, n: int, argv: list[str], *sup: str, timeout: float = 2 * RUN_S) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-P", "-m", "ulfmtrain", "supervise", "-n", str(n), "--timeout", str(RUN_S), *sup, "--", *argv]
+def supervise(root: Path, n: int, argv: list[str], *sup: str,
+              timeout: float = 2 * RUN_S) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-P", "-m", "ulfmtrain", "supervise", "-n", str(n), "--timeout", str(RUN_S), *sup, "--",
+           *argv]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root)
     except subprocess.TimeoutExpired as exc:
@@ -133,7 +135,7 @@ def test_reinit_restores_the_world_and_rolls_back(mpi, digits_dir: Path, tmp_pat
     assert all(len(v) == 1 and v[0]["dead"] == [1] and v[0]["spawn_ok"] for v in reinit.values()), reinit
     assert reinit[1][0].get("replacement") and not any(reinit[r][0].get("replacement") for r in (0, 2, 3))
     # Every rank read its whole shard again and resumed from the step-30 checkpoint.
-    for r, recs in logs.items():
+    for _r, recs in logs.items():
         ready = [x for x in recs if x["event"] == "ready"]
         assert len(ready) == 2 and ready[1]["bytes_read"] == ready[0]["bytes_read"] > 0
         assert [x["step"] for x in recs if x["event"] == "resume"] == [30]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 from .events import Event, read_rank_logs, select
 from .modes import DataPolicy

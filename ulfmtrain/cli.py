@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 from .job import DEFAULT_BATCH, DEFAULT_BUCKET_BYTES, TrainJob
 from .modes import PROG, CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, UsageError, choices
@@ -35,7 +36,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="log the record ids of every step (check them with `python -m ulfmtrain audit OUT`)")
     p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES, help="gradient bucket size in bytes")
     p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP[:PHASE]",
-                   help="SIGKILL a rank (repeatable); PHASE: " + ", ".join(choices(Phase)).replace("backward", "backward[=FRAC]")
+                   help="SIGKILL a rank (repeatable); PHASE: "
+                        + ", ".join(choices(Phase)).replace("backward", "backward[=FRAC]")
                         + " (checkpoint: rank 0 only, half-way through writing that step's checkpoint)")
     p.add_argument("--out", default="ulfmtrain-out", help="directory for rank<N>.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true")
@@ -135,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "once per epoch")
     p.add_argument("out", type=Path, help="the --out directory of a `train --audit` run")
 
-    p = sub.add_parser("supervise", help="checkpoint-restart: relaunch mpirun from the latest checkpoint after a failure")
+    p = sub.add_parser("supervise",
+                       help="checkpoint-restart: relaunch mpirun from the latest checkpoint after a failure")
     p.add_argument("-n", type=int, required=True, help="number of ranks of the first attempt")
     p.add_argument("--max-attempts", type=int, default=5, help="launches in all, the first included")
     p.add_argument("--relaunch", choices=("same", "fewer"), default="same",
@@ -162,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", action="append", default=None, metavar="RANK@STEP[:PHASE]",
                    help="kill schedule (repeatable; default: rank 1 about 60%% through, half-way between checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=20, metavar="K", help="checkpoint every K steps (restart, reinit)")
-    p.add_argument("--modes", default=",".join(choices(Recovery)), help="comma-separated subset of shrink,restart,reinit")
+    p.add_argument("--modes", default=",".join(choices(Recovery)),
+                   help="comma-separated subset of shrink,restart,reinit")
     p.add_argument("--strategies", default=",".join(choices(CheckpointStrategy)),
                    help="checkpoint strategies to run restart and reinit with: blocking,overlapped")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free reference run")

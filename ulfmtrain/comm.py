@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -241,7 +242,7 @@ def _fault_tolerant_dup(base: MPI.Intracomm) -> MPI.Intracomm:
     base.Set_errhandler(MPI.ERRORS_RETURN)
     while True:
         try:
-            comm = base.Shrink()
+            comm = MPI.Intracomm(base.Shrink())   # Shrink of an Intracomm is one; mpi4py types it as Comm
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         except MPI.Exception as exc:
             if _ftcoll.status_of(exc.Get_error_code()) != _ftcoll.FAILED:

@@ -14,9 +14,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .faults import mid_run_kill
 from .job import DEFAULT_BATCH, CheckpointOptions, TrainConfig, TrainJob
@@ -59,7 +60,7 @@ def _job(a: CompareOptions, data: Path, out: Path, kills: Sequence[str], mode: s
                     config=TrainConfig(epochs=a.epochs, batch=a.batch, seed=a.seed, progress=False), checkpoint=ckpt)
 
 
-def _run(label: str, cmd: list[str], shown: list[str], run_dir: Path, timeout: float) -> dict[str, float]:
+def _run(label: str, cmd: list[str], shown: list[str], run_dir: Path, timeout: float) -> dict[str, Any]:
     """Run one job with its output in RUN_DIR/console.log; return its launch and exit times."""
     print(f"{PROG}: {label}: {shlex.join(shown)}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,7 @@ def _run(label: str, cmd: list[str], shown: list[str], run_dir: Path, timeout: f
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = None
-    return {"t_launch": t_launch, "t_exit": time.time(), "rc": rc}
+    return {"t_launch": t_launch, "t_exit": time.time(), "rc": rc}  # rc None: timed out
 
 
 def run_one(label: str, mode: str, strategy: str | None, a: CompareOptions, data: Path,
@@ -128,7 +129,8 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
 
     modes = [m for m in a.modes.split(",") if m]
     strategies = [s for s in a.strategies.split(",") if s]
-    bad = [m for m in modes if m not in choices(Recovery)] + [s for s in strategies if s not in choices(CheckpointStrategy)]
+    bad = ([m for m in modes if m not in choices(Recovery)]
+           + [s for s in strategies if s not in choices(CheckpointStrategy)])
     if bad or not modes:
         raise CompareError(f"unknown mode or strategy {bad[0] if bad else '(none)'}: "
                            "use --modes shrink,restart,reinit and --strategies blocking,overlapped")
@@ -175,7 +177,8 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
     (out / "compare.json").write_text(json.dumps(report, indent=1))
     md = [f"Job: {desc}.", "", md_table(h1, r1), "", "Lost time per failure:", "", md_table(h2, r2), ""]
     (out / "compare.md").write_text("\n".join(md))
-    pngs = [plots.plot_timeline(report, out / "compare_timeline.png"), plots.plot_lost(report, out / "compare_lost_time.png")]
+    pngs = [plots.plot_timeline(report, out / "compare_timeline.png"),
+            plots.plot_lost(report, out / "compare_lost_time.png")]
     print(f"\n{PROG}: {desc}\n")
     print(text_table(h1, r1))
     print("\nlost time per failure:\n")

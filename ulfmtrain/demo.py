@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .faults import mid_run_kill
-from .launch import mpirun_command
 from .events import Event, loss_curve, read_rank_logs, select
+from .faults import mid_run_kill
 from .job import DEFAULT_BATCH, TrainConfig, TrainJob
+from .launch import mpirun_command
 from .plots import plot_loss
 
 

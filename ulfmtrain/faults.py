@@ -10,8 +10,8 @@ import math
 import os
 import re
 import signal
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from .modes import Phase
 
@@ -70,7 +70,8 @@ def parse_kills(specs: Iterable[str], world_size: int | None = None) -> list[Kil
                 raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of "
                                     f"{world_size} ranks; use RANK@STEP with RANK from 0 to {world_size - 1}")
         if len({k.rank for k in kills}) >= world_size:
-            raise KillSpecError(f"the kill schedule kills all {world_size} ranks: drop one RANK@STEP so a survivor is left")
+            raise KillSpecError(f"the kill schedule kills all {world_size} ranks: "
+                                "drop one RANK@STEP so a survivor is left")
     ranks = [k.rank for k in kills]
     dup = {r for r in ranks if ranks.count(r) > 1}
     if dup:

@@ -135,7 +135,8 @@ class TrainJob:
         if self.train_file:
             return self.train_file, self.test_file
         if not self.data:
-            raise UsageError("no dataset given: pass --data DIR (create one with `python -m ulfmtrain data digits DIR`)")
+            raise UsageError("no dataset given: pass --data DIR "
+                             "(create one with `python -m ulfmtrain data digits DIR`)")
         if not (self.data / "train.ulfmds").exists():
             raise UsageError(f"dataset directory {str(self.data)!r} has no train.ulfmds: "
                              f"create it with `python -m ulfmtrain data digits {self.data}`")

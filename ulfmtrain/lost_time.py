@@ -11,8 +11,9 @@ replay           re-running the steps since the checkpoint (shrink: the interrup
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .events import read_rank_logs, select
 
@@ -117,7 +118,7 @@ def _reinit_failures(logs: dict[int, list[dict]]) -> list[dict]:
     kills = _events(logs, "kill")
     per_rank = {rank: [r for r in recs if r["event"] == "reinit"] for rank, recs in logs.items()}
     out = []
-    for i, k in enumerate(kills):
+    for _i, k in enumerate(kills):
         # The first rebuild after this kill: every rank's event of it started before any finished.
         evs = [e for rs in per_rank.values() for e in rs if e["t_spawn"] >= k["t"]]
         first = min((e["t_world"] for e in evs), default=0.0)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -75,5 +75,5 @@ def build_model(name: str, inputs: int = 64, classes: int = 10) -> nn.Module:
 
 
 def large_mlp() -> MLP:
-    """A 6.3 M-parameter MLP over 1024 features (50 MB checkpoints with momentum): `--model ulfmtrain.models:large_mlp`."""
+    """A 6.3 M-parameter MLP over 1024 features (50 MB checkpoints): `--model ulfmtrain.models:large_mlp`."""
     return MLP(1024, hidden=(2048, 2048), classes=10)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import io
 import zlib
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -170,7 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.broadcast_state()
 
     # -- the torch.optim.Optimizer surface ---------------------------------
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -178,7 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -186,7 +187,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 

@@ -76,7 +76,7 @@ def plot_lost(report: dict[str, Any], path: Path) -> Path:
     """Stacked horizontal bars of the lost time per failure, by component."""
     runs = [(label, r) for label, r in report["runs"].items() if r.get("ok") and r["failures"]]
     fig, ax = pyplot().subplots(figsize=(8, 0.6 * len(runs) + 1.8))
-    for i, (label, r) in enumerate(runs):
+    for i, (_label, r) in enumerate(runs):
         left = 0.0
         for j, c in enumerate(COMPONENTS):
             v = r["lost_breakdown_s"][c]

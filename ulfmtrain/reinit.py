@@ -20,7 +20,8 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
@@ -87,7 +88,7 @@ def _watchdog(what: str) -> threading.Timer:
 
 def _world(merged: MPI.Intracomm, slot: int, target: int, history: list[int]) -> ReinitComm:
     """Order the merged ranks by slot and agree on the result before first use."""
-    world = merged.Split(0, slot)
+    world = MPI.Intracomm(merged.Split(0, slot))   # mpi4py types Split's result as Comm
     world.Set_errhandler(MPI.ERRORS_RETURN)
     world.Agree(1)
     comm = ReinitComm(world, slot, target)
@@ -124,6 +125,7 @@ def rebuild_world(g: GlobalRestart, old: ReinitComm, job: TrainJob) -> tuple[Rei
               f"rolling back on the {len(slots)} survivors", file=sys.stderr, flush=True)
         merged = shrunk
     else:
+        assert inter is not None             # every survivor's spawn succeeded
         merged = inter.Merge(high=False)     # survivors first
         info.update(spawn_ok=True, spawned=len(dead))
         merged.bcast({"slots": dead, "survivors": len(slots), "target": old.target,

@@ -21,15 +21,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .atomic import write_json
 from .checkpoint import has_checkpoint, read_pointer
+from .events import Event, read_rank_logs, select
 from .faults import Kill, parse_kills
 from .job import TrainJob
 from .launch import mpirun_command
-from .events import Event, read_rank_logs, select
 
 PROG = "ulfmtrain supervise"
 # How Open MPI's launcher reports a rank that died (prterun / mpirun).
@@ -102,14 +102,14 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
         fired = sorted({r["spec"] for r in select(logs, Event.KILL)})
         started = bool(select(logs, Event.START))
         summary_path = run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        summary: dict[str, Any] | None = json.loads(summary_path.read_text()) if summary_path.exists() else None
         done = summary is not None and summary.get("epochs") == job.config.epochs
         res.update(attempt=attempt, ranks=ranks, out=str(run_dir), argv=av, resume=resume,
                    resumed_from=pointer["file"] if pointer else None, kills_fired=fired, completed=done)
         record["attempts"].append(res)
         record["completed"] = done
         write_json(out / "supervisor.json", record)
-        if done:
+        if done and summary is not None:
             summary["attempts"] = len(record["attempts"])
             write_json(out / "summary.json", summary)
             print(f"{PROG}: training completed in attempt {attempt} "
