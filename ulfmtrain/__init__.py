@@ -21,11 +21,11 @@ _EXPORTS = {
     "Trainer": "trainer", "TrainConfig": "trainer",
     "Kill": "faults", "parse_kill": "faults", "parse_kills": "faults", "KillSpecError": "faults",
     "build_model": "models", "DigitsCNN": "models", "MLP": "models",
-    "ShardedDataset": "data", "DatasetError": "data", "digits_to_dataset": "data",
+    "DatasetFile": "data", "ShardedDataset": "data", "DatasetError": "data", "digits_to_dataset": "data",
     "arrays_to_dataset": "data", "synthetic_dataset": "data", "plan_recovery": "data",
     "mpirun_command": "launch",
     "Checkpointer": "checkpoint", "CheckpointError": "checkpoint", "load_latest": "checkpoint",
-    "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
+    "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint", "TrainingState": "checkpoint",
     "run_compare": "compare",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]

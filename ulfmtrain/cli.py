@@ -72,21 +72,18 @@ def _dataset_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
         return Path(args.train_file), Path(args.test_file) if args.test_file else None
     if not args.data:
         raise UsageError("no dataset given: pass --data DIR (create one with `python -m ulfmtrain data digits DIR`)")
-    d = Path(args.data)
-    if not (d / "train.ulfmds").exists():
-        raise UsageError(f"dataset directory {str(d)!r} has no train.ulfmds: "
-                         f"create it with `python -m ulfmtrain data digits {d}`")
-    test = d / "test.ulfmds"
-    return d / "train.ulfmds", test if test.exists() else None
+    from .data.format import dataset_paths
+    return dataset_paths(args.data)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
-    from .checkpoint import CheckpointError, checkpointer_from_args
+    from .checkpoint.checkpointer import checkpointer_from_args
+    from .checkpoint.format import CheckpointError
     from .comm import FaultTolerantComm, FaultToleranceUnavailable, PlainComm
-    from .data import DatasetError, ShardedDataset
+    from .data.format import DatasetError, DatasetFile
     from .faults import KillSpecError, parse_kills
     from .models import build_model
     from .trainer import TrainConfig, Trainer
@@ -105,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             kills = parse_kills(args.kill, comm.size)
             checkpointer_from_args(args)   # check the checkpoint flags before any rank trains
             train_path, test_path = _dataset_paths(args)
-            with ShardedDataset(train_path) as ds:   # header, size and shape checks, same on every rank
+            with DatasetFile(train_path) as ds:   # header, size and shape checks, same on every rank
                 inputs = math.prod(ds.fields[0][2])
                 classes = int(ds.meta.get("classes", 10))
             torch.manual_seed(args.seed)   # the same --seed gives the same initial model
@@ -185,18 +182,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from . import data
+    from .data.format import DatasetFile
+    from .data.sources import digits_to_dataset, records_for_bytes, synthetic_dataset
 
     if args.kind == "digits":
-        train, test = data.digits_to_dataset(args.path, test_fraction=args.test_fraction, seed=args.seed)
+        train, test = digits_to_dataset(args.path, test_fraction=args.test_fraction, seed=args.seed)
         for p in (train, test):
-            print(f"{p}: {data.ShardedDataset(p).count} records")
+            print(f"{p}: {DatasetFile(p).count} records")
     elif args.kind == "synthetic":
-        records = args.records or data.records_for_bytes(int(args.mib * 2**20), args.features)
-        p = data.synthetic_dataset(args.path, records, features=args.features, classes=args.classes, seed=args.seed)
+        records = args.records or records_for_bytes(int(args.mib * 2**20), args.features)
+        p = synthetic_dataset(args.path, records, features=args.features, classes=args.classes, seed=args.seed)
         print(f"{p}: {records} records, {p.stat().st_size / 2**20:.1f} MiB")
     else:
-        with data.ShardedDataset(args.path) as ds:
+        with DatasetFile(args.path) as ds:
             print(f"{ds.path}: {ds.count} records of {ds.record_size} bytes; fields "
                   + ", ".join(f"{n} {dt.str}{list(sh)}" for n, dt, sh in ds.fields) + f"; meta {ds.meta}")
             ds.read(0, ds.count)
@@ -253,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return cmd_train(args)
-    from .data import DatasetError
+    from .data.format import DatasetError
     from .faults import KillSpecError
     try:
         if args.command == "launch":

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .checkpoint.checkpointer import STRATEGIES
 from .faults import mid_run_kill
 from .metrics import pyplot, save_figure
 
@@ -36,7 +37,6 @@ COMPONENTS = ("detection", "mpi_recovery", "relaunch_init", "checkpoint_load", "
 COMPONENT_LABELS = {"detection": "detection", "mpi_recovery": "MPI recovery", "relaunch_init": "relaunch/init",
                     "checkpoint_load": "checkpoint load", "data_reload": "data reload", "replay": "replayed steps"}
 MODES = ("shrink", "restart", "reinit")
-STRATEGIES = ("blocking", "overlapped")
 
 
 class CompareError(Exception):
@@ -403,23 +403,25 @@ def plot_lost(report: dict[str, Any], path: Path) -> Path:
 
 
 def _dataset(a: argparse.Namespace) -> tuple[Path, int]:
-    from . import data
+    from .data.format import DatasetError, DatasetFile, dataset_paths, split_path
+    from .data.sources import digits_to_dataset, records_for_bytes, synthetic_dataset
 
     if a.data:
         d = Path(a.data)
-        if not (d / "train.ulfmds").exists():
-            raise CompareError(f"dataset directory '{d}' has no train.ulfmds: create it with "
-                               f"`python -m ulfmtrain data digits {d}`")
+        try:
+            dataset_paths(d)
+        except DatasetError as exc:
+            raise CompareError(str(exc)) from None
     elif a.synthetic:
         d = Path(a.out) / f"synthetic-{a.synthetic:g}MiB"
-        if not (d / "train.ulfmds").exists():
-            data.synthetic_dataset(d / "train.ulfmds", data.records_for_bytes(int(a.synthetic * 2**20), a.features),
-                                   features=a.features, seed=a.seed)
+        if not split_path(d, "train").exists():
+            synthetic_dataset(split_path(d, "train"), records_for_bytes(int(a.synthetic * 2**20), a.features),
+                              features=a.features, seed=a.seed)
     else:
         d = Path(a.out) / "data"
-        if not (d / "train.ulfmds").exists():
-            data.digits_to_dataset(d)
-    with data.ShardedDataset(d / "train.ulfmds") as ds:
+        if not split_path(d, "train").exists():
+            digits_to_dataset(d)
+    with DatasetFile(split_path(d, "train")) as ds:
         return d, ds.count
 
 

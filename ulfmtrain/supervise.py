@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .atomic import write_json
-from .checkpoint import has_checkpoint, read_pointer
+from .checkpoint.format import has_checkpoint, read_pointer
 from .faults import Kill, parse_kills
 from .launch import mpirun_command
 from .metrics import read_rank_logs

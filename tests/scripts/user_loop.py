@@ -14,7 +14,7 @@ from sklearn.datasets import load_digits
 from ulfmtrain import DistributedOptimizer, FaultTolerantComm
 from ulfmtrain.metrics import MetricsWriter
 from ulfmtrain.models import DigitsCNNBN
-from ulfmtrain.sampler import distributed_sampler
+from ulfmtrain.data.sampler import distributed_sampler
 
 EPOCHS, BATCH = 2, 16
 torch.set_num_threads(1)

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .data import Ranges, merge_ranges
+from .plan import Ranges, initial_holdings, merge_ranges, plan_recovery
 
 POLICIES = ("exactly-once", "lossy")
 
@@ -156,8 +156,6 @@ def distributed_sampler(comm: Any, opt: Any, count: int, batch: int, *, seed: in
     and is part of the replicated state.  Epoch 0 is started; call
     `start_epoch(e)` for the next ones and train while `not epoch_done()`.
     """
-    from .data import initial_holdings, plan_recovery
-
     shards = initial_holdings(count, comm.size)
     sampler = EpochSampler({w: shards[i] for i, w in enumerate(comm.alive)}, batch, seed, policy)
 
