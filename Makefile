@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ulfmtrain-installed
 
 setup: $(STAMP)
 
-$(STAMP): scripts/install.sh pyproject.toml meson.build setup.py VERSION csrc/* ulfmtrain/*
+$(STAMP): scripts/install.sh pyproject.toml meson.build setup.py VERSION csrc/* ulfmtrain/* ulfmtrain/*/*
 	VENV=$(VENV) scripts/install.sh
 	touch $@
 

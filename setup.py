@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from Cython.Build import cythonize
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,7 +39,7 @@ ext = Extension(
 
 setup(
     version=(HERE / "VERSION").read_text().strip(),
-    packages=["ulfmtrain"],
+    packages=find_packages(include=["ulfmtrain", "ulfmtrain.*"]),
     package_data={"ulfmtrain": ["*.pyi", "py.typed"]},
     ext_modules=cythonize([ext], language_level=3, build_dir="build"),  # keep generated C out of the tree
 )

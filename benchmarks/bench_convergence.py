@@ -154,14 +154,15 @@ def main(argv: list[str]) -> int:
     if min(args.ranks) <= args.victim:
         p.error(f"every rank count must be > the victim's rank {args.victim}")
 
-    from ulfmtrain.data import ShardedDataset, digits_to_dataset
+    from ulfmtrain.data.format import DatasetFile, split_path
+    from ulfmtrain.data.sources import digits_to_dataset
 
     t_start = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_convergence."))
     data = work / "digits"
-    if not (data / "train.ulfmds").exists():
+    if not split_path(data, "train").exists():
         digits_to_dataset(data)
-    with ShardedDataset(data / "train.ulfmds") as ds:
+    with DatasetFile(split_path(data, "train")) as ds:
         records = ds.count
 
     runs: dict[int, dict[str, dict]] = {}

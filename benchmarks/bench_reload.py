@@ -5,7 +5,7 @@ fault).  A synthetic ulfmds file of --mib MiB is split over n ranks; one rank
 is SIGKILLed and the survivors shrink through FaultTolerantComm, exactly as in
 training.  Then, from the same starting shards and with the file's pages
 dropped from the page cache before each timed read, every survivor applies the
-recovery plan the trainer would use (ulfmtrain.data.plan_recovery and
+recovery plan the trainer would use (ulfmtrain.data.plan.plan_recovery and
 LocalShard.apply):
 
 - partial: read only my share of the dead rank's records and merge them in;
@@ -84,11 +84,13 @@ def worker(argv: list[str]) -> None:
     import numpy as np
 
     from ulfmtrain.comm import FaultTolerantComm
-    from ulfmtrain.data import LocalShard, ShardedDataset, initial_holdings, plan_recovery
+    from ulfmtrain.data.format import DatasetFile
+    from ulfmtrain.data.plan import initial_holdings, plan_recovery
+    from ulfmtrain.data.shard import LocalShard
 
     ft = FaultTolerantComm()
     me, n = ft.world_rank, ft.size
-    ds = ShardedDataset(a.data)
+    ds = DatasetFile(a.data)
     shards = initial_holdings(ds.count, n)
     holdings = {w: shards[i] for i, w in enumerate(ft.alive)}   # as Trainer assigns them
     LocalShard(ds, holdings[me])        # every rank holds its shard when the failure hits
@@ -254,7 +256,8 @@ def main(argv: list[str]) -> int:
     if min(args.ranks) < 2:
         p.error("every n must be >= 2: one rank dies and at least one survives")
 
-    from ulfmtrain.data import ShardedDataset, records_for_bytes, synthetic_dataset
+    from ulfmtrain.data.format import DatasetFile
+    from ulfmtrain.data.sources import records_for_bytes, synthetic_dataset
 
     t_start = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_reload."))
@@ -265,7 +268,7 @@ def main(argv: list[str]) -> int:
         synthetic_dataset(data, records, features=args.features)
         print(f"made {data.name}: {records} records, {data.stat().st_size / 2**20:.1f} MiB "
               f"in {time.perf_counter() - t0:.1f} s", flush=True)
-    with ShardedDataset(data) as ds:
+    with DatasetFile(data) as ds:
         record_size, count = ds.record_size, ds.count
     cache = cache_check(data, 64 << 20)
     cold = "warm page cache" if args.warm else "cold: posix_fadvise DONTNEED"

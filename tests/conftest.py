@@ -18,7 +18,7 @@ collect_ignore_glob = [] if os.environ.get("ULFMTRAIN_IN_MPIRUN") else ["mpi/*"]
 
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ulfmtrain.data import digits_to_dataset
+    from ulfmtrain.data.sources import digits_to_dataset
 
     d = tmp_path_factory.mktemp("digits")
     digits_to_dataset(d)

@@ -16,8 +16,10 @@ INSTALLED = Path(ulfmtrain.__file__).parent
 
 def test_installed_package_holds_everything():
     assert INSTALLED != ROOT / "ulfmtrain", "tests must run against the installed package (python -P)"
-    sources = {p.name for p in (ROOT / "ulfmtrain").glob("*.py")}
-    installed = {p.name for p in INSTALLED.glob("*.py")}
+    # Relative paths, subpackages included: each subpackage needs its own install_sources entry.
+    sources = {str(p.relative_to(ROOT / "ulfmtrain")) for p in (ROOT / "ulfmtrain").rglob("*.py")}
+    installed = {str(p.relative_to(INSTALLED)) for p in INSTALLED.rglob("*.py")}
+    assert any("/" in s for s in sources), "the subpackages (data/, checkpoint/) are not looked at"
     assert sources <= installed, f"missing from ulfmtrain/meson.build install list: {sources - installed}"
     assert (INSTALLED / "py.typed").exists() and (INSTALLED / "_ftcoll.pyi").exists()
     assert list(INSTALLED.glob("_ftcoll*.so"))

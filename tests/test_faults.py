@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ulfmtrain.audit import audit_logs
-from ulfmtrain.data import ShardedDataset, check_coverage, initial_holdings, plan_recovery
+from ulfmtrain.data.format import DatasetFile
+from ulfmtrain.data.plan import check_coverage, initial_holdings, plan_recovery
 from ulfmtrain.events import read_rank_logs
 from ulfmtrain.faults import parse_kills
 
@@ -59,7 +60,7 @@ def check_invariants(proc, logs, digits_dir, kills, history, reload="partial", p
     removed = [[x["removed"] for x in recs[r]] for r in survivors]
     assert all(rm == removed[0] for rm in removed), removed
     assert sorted(sum(removed[0], [])) == sorted(killed)
-    with ShardedDataset(digits_dir / "train.ulfmds") as ds:
+    with DatasetFile(digits_dir / "train.ulfmds") as ds:
         count, holdings = ds.count, initial_holdings(ds.count, RANKS)
         planned = {r: 0 for r in survivors}
         for dead in removed[0]:
@@ -157,7 +158,7 @@ def test_kill_in_the_checkpoint_write_and_in_the_final_check(mpi, digits_dir, tm
     check_invariants(proc, logs, digits_dir, kills, [4, 3, 2])
     saves = [x for x in logs[1] if x["event"] == "checkpoint" and x["step"] == 20]
     assert saves and saves[0]["ok"] and saves[0].get("rewritten")
-    from ulfmtrain.checkpoint import load_latest
+    from ulfmtrain.checkpoint.format import load_latest
     steps = [x for x in logs[1] if x["event"] == "end"][0]["steps"]
     assert load_latest(tmp_path / "ckpt").step == steps // 10 * 10
 

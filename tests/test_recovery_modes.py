@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain.checkpoint import list_checkpoints, load_latest, read_pointer
-from ulfmtrain.data import ShardedDataset, initial_holdings
+from ulfmtrain.checkpoint.format import list_checkpoints, load_latest, read_pointer
+from ulfmtrain.data.format import DatasetFile
+from ulfmtrain.data.plan import initial_holdings
 from ulfmtrain.events import read_rank_logs
 
 pytestmark = pytest.mark.faults
@@ -91,7 +92,7 @@ def test_supervisor_restart_reproduces_the_failure_free_parameters(mpi, digits_d
     logs = read_rank_logs(out / "attempt-2")
     assert [r["step"] for r in logs[0] if r["event"] == "resume"] == [30]
     assert min(r["step"] for r in logs[0] if r["event"] == "step") == 30      # steps 30..34 replayed
-    with ShardedDataset(digits_dir / "train.ulfmds") as ds:                    # every rank re-read its whole shard
+    with DatasetFile(digits_dir / "train.ulfmds") as ds:                       # every rank re-read its whole shard
         full = {r: ds.nbytes(h) for r, h in initial_holdings(ds.count, RANKS).items()}
     assert {r: [x["bytes_read"] for x in recs if x["event"] == "ready"][0] for r, recs in logs.items()} == full
 

@@ -78,18 +78,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from . import data
+    from .data.format import DatasetFile
+    from .data.sources import digits_to_dataset, records_for_bytes, synthetic_dataset
 
     if args.kind == "digits":
-        train, test = data.digits_to_dataset(args.path, test_fraction=args.test_fraction, seed=args.seed)
+        train, test = digits_to_dataset(args.path, test_fraction=args.test_fraction, seed=args.seed)
         for p in (train, test):
-            print(f"{p}: {data.ShardedDataset(p).count} records")
+            print(f"{p}: {DatasetFile(p).count} records")
     elif args.kind == "synthetic":
-        records = args.records or data.records_for_bytes(int(args.mib * 2**20), args.features)
-        p = data.synthetic_dataset(args.path, records, features=args.features, classes=args.classes, seed=args.seed)
+        records = args.records or records_for_bytes(int(args.mib * 2**20), args.features)
+        p = synthetic_dataset(args.path, records, features=args.features, classes=args.classes, seed=args.seed)
         print(f"{p}: {records} records, {p.stat().st_size / 2**20:.1f} MiB")
     else:
-        with data.ShardedDataset(args.path) as ds:
+        with DatasetFile(args.path) as ds:
             print(f"{ds.path}: {ds.count} records of {ds.record_size} bytes; fields "
                   + ", ".join(f"{n} {dt.str}{list(sh)}" for n, dt, sh in ds.fields) + f"; meta {ds.meta}")
             ds.read(0, ds.count)
@@ -195,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return cmd_train(args)
-    from .data import DatasetError
+    from .data.format import DatasetError
     from .faults import KillSpecError
     try:
         if args.command == "launch":

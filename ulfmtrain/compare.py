@@ -102,23 +102,25 @@ def run_one(label: str, mode: str, strategy: str | None, a: CompareOptions, data
 
 
 def _dataset(a: CompareOptions) -> tuple[Path, int]:
-    from . import data
+    from .data.format import DatasetError, DatasetFile, dataset_paths, split_path
+    from .data.sources import digits_to_dataset, records_for_bytes, synthetic_dataset
 
     if a.data:
         d = Path(a.data)
-        if not (d / "train.ulfmds").exists():
-            raise CompareError(f"dataset directory '{d}' has no train.ulfmds: create it with "
-                               f"`python -m ulfmtrain data digits {d}`")
+        try:
+            dataset_paths(d)
+        except DatasetError as exc:
+            raise CompareError(str(exc)) from None
     elif a.synthetic:
         d = Path(a.out) / f"synthetic-{a.synthetic:g}MiB"
-        if not (d / "train.ulfmds").exists():
-            data.synthetic_dataset(d / "train.ulfmds", data.records_for_bytes(int(a.synthetic * 2**20), a.features),
-                                   features=a.features, seed=a.seed)
+        if not split_path(d, "train").exists():
+            synthetic_dataset(split_path(d, "train"), records_for_bytes(int(a.synthetic * 2**20), a.features),
+                              features=a.features, seed=a.seed)
     else:
         d = Path(a.out) / "data"
-        if not (d / "train.ulfmds").exists():
-            data.digits_to_dataset(d)
-    with data.ShardedDataset(d / "train.ulfmds") as ds:
+        if not split_path(d, "train").exists():
+            digits_to_dataset(d)
+    with DatasetFile(split_path(d, "train")) as ds:
         return d, ds.count
 
 

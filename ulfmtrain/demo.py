@@ -57,13 +57,14 @@ def _row(name: str, a: str, b: str) -> str:
 
 
 def run_demo(args: DemoOptions) -> int:
-    from . import data
+    from .data.format import DatasetFile, split_path
+    from .data.sources import digits_to_dataset
 
     out = Path(args.out)
     data_dir = out / "data"
-    if not (data_dir / "train.ulfmds").exists():
-        data.digits_to_dataset(data_dir)
-    with data.ShardedDataset(data_dir / "train.ulfmds") as ds:
+    if not split_path(data_dir, "train").exists():
+        digits_to_dataset(data_dir)
+    with DatasetFile(split_path(data_dir, "train")) as ds:
         n_train = ds.count
     kill = args.kill or mid_run_kill(n_train, args.ranks, DEFAULT_BATCH, args.epochs)
 

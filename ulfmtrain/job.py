@@ -15,7 +15,7 @@ from .faults import parse_kill
 from .modes import CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, UsageError
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpointer
+    from .checkpoint.checkpointer import Checkpointer
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20    # gradient bucket size (torch DDP's default)
 DEFAULT_BATCH = 16                   # records per rank and step
@@ -128,7 +128,6 @@ class TrainJob:
             for flag, val in (("--ckpt-every", k.every), ("--ckpt-epoch", k.epoch), ("--resume", k.resume)):
                 if val:
                     raise UsageError(f"{flag} needs a checkpoint directory: add --ckpt-dir DIR")
-        self.dataset_paths()
 
     def dataset_paths(self) -> tuple[Path, Path | None]:
         """The training file and the optional test file."""
@@ -137,18 +136,16 @@ class TrainJob:
         if not self.data:
             raise UsageError("no dataset given: pass --data DIR "
                              "(create one with `python -m ulfmtrain data digits DIR`)")
-        if not (self.data / "train.ulfmds").exists():
-            raise UsageError(f"dataset directory {str(self.data)!r} has no train.ulfmds: "
-                             f"create it with `python -m ulfmtrain data digits {self.data}`")
-        test = self.data / "test.ulfmds"
-        return self.data / "train.ulfmds", test if test.exists() else None
+        from .data.format import dataset_paths
+
+        return dataset_paths(self.data)
 
     def checkpointer(self, resume: bool = False) -> Checkpointer | None:
         """The job's Checkpointer (None without a checkpoint directory); resume=True forces a resume."""
         k = self.checkpoint
         if k.directory is None:
             return None
-        from .checkpoint import Checkpointer
+        from .checkpoint.checkpointer import Checkpointer
 
         return Checkpointer(k.directory, every=k.every, epoch=k.epoch or not k.every, strategy=k.strategy,
                             max_inflight=k.inflight, keep=k.keep, resume=resume or k.resume)

@@ -99,7 +99,7 @@ def parse(enum: type[StrEnum], value: str, what: str) -> Any:
         raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(choices(enum))}") from None
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     """Bad input: reported as one line, exit status 2."""
 
 
@@ -109,7 +109,7 @@ class _PeerFailed(Exception):
 
 def _build_trainer(job: TrainJob, model: Any, comm: Any, kills: list[Kill], resume: bool) -> Trainer:
     """A trainer over this rank's shard, or every rank stops together (one uniform decision)."""
-    from .data import DatasetError
+    from .data.format import DatasetError
     from .trainer import Trainer
 
     train_path, test_path = job.dataset_paths()
@@ -139,9 +139,9 @@ def run(job: TrainJob) -> int:
     import torch
     from mpi4py import MPI
 
-    from .checkpoint import CheckpointError
+    from .checkpoint.format import CheckpointError
     from .comm import FaultToleranceUnavailable
-    from .data import DatasetError, ShardedDataset
+    from .data.format import DatasetError, DatasetFile
     from .faults import KillSpecError, parse_kills
     from .lifecycle import finalize
     from .models import build_model
@@ -156,7 +156,7 @@ def run(job: TrainJob) -> int:
             job.validate()
             job.checkpointer()           # its own checks, before any rank trains
             train_path, _ = job.dataset_paths()
-            with ShardedDataset(train_path) as ds:   # header, size and shape checks, same on every rank
+            with DatasetFile(train_path) as ds:   # header, size and shape checks, same on every rank
                 inputs = math.prod(ds.fields[0][2])
                 classes = int(ds.meta.get("classes", 10))
             torch.manual_seed(job.config.seed)   # the same --seed gives the same initial model

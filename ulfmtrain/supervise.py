@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .atomic import write_json
-from .checkpoint import has_checkpoint, read_pointer
+from .checkpoint.format import has_checkpoint, read_pointer
 from .events import Event, read_rank_logs, select
 from .faults import Kill, parse_kills
 from .job import TrainJob

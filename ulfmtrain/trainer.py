@@ -3,21 +3,26 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import faults
 from .atomic import write_json
-from .data import LocalShard, ShardedDataset, initial_holdings, plan_recovery, ranges_len
-from .faults import Kill
+from .checkpoint.checkpointer import Checkpointer
+from .data.format import DatasetFile
+from .data.plan import initial_holdings, plan_recovery, ranges_len
+from .data.sampler import EpochSampler
+from .data.shard import LocalShard
 from .events import EventLog
+from .faults import Kill
 from .job import TrainConfig
 from .optim import FTSGD, DistributedOptimizer
-from .sampler import EpochSampler
 
 
 def _int32(x: int) -> int:
@@ -37,13 +42,14 @@ class Trainer:
         out_dir: where rank<N>.jsonl and summary.json go.
         optimizer: a DistributedOptimizer over model; FTSGD by default.
         checkpointer: a checkpoint.Checkpointer that saves at step boundaries
-            and may restore the state at the start of fit(); optional.
+            and may restore the state at the start of fit(); optional.  The
+            trainer is the checkpointer's checkpoint.TrainingState.
     """
 
     def __init__(self, model: torch.nn.Module, comm: Any, train_path: str | Path,
                  test_path: str | Path | None = None, config: TrainConfig | None = None,
                  kills: Iterable[Kill] = (), out_dir: str | Path | None = None,
-                 optimizer: DistributedOptimizer | None = None, checkpointer: Any = None) -> None:
+                 optimizer: DistributedOptimizer | None = None, checkpointer: Checkpointer | None = None) -> None:
         self.cfg = cfg = config or TrainConfig()
         self.model, self.comm = model, comm
         self.out_dir = Path(out_dir) if out_dir else None
@@ -52,14 +58,14 @@ class Trainer:
         self.checkpointer = checkpointer
 
         t_load = time.perf_counter()
-        self.train = ShardedDataset(train_path)
+        self.train = DatasetFile(train_path)
         shards = initial_holdings(self.train.count, comm.size)
         holdings = {w: shards[i] for i, w in enumerate(comm.alive)}
         self.shard = LocalShard(self.train, holdings[comm.world_rank])
         self.sampler = EpochSampler(holdings, cfg.batch, cfg.seed, cfg.data_policy)
         self.test = None
         if test_path is not None:
-            with ShardedDataset(test_path) as ds:
+            with DatasetFile(test_path) as ds:
                 self.test = ds.read(0, ds.count)
         self.load_ms = (time.perf_counter() - t_load) * 1e3   # reading my whole shard (a restart's data reload)
 
@@ -79,7 +85,7 @@ class Trainer:
             self.opt.add_attempt_hook(self._audit)
         self.epoch_ended = False       # the last committed step closed an epoch (checkpoint cadence)
         self._logged_events = 0
-        self._ids = torch.empty(0)
+        self._ids = np.empty(0, dtype=np.int64)    # my batch's record ids, for the audit
         self._bar: Any = None
 
     @property
@@ -89,6 +95,30 @@ class Trainer:
     def steps_left(self) -> int:
         """Steps left in this epoch if nothing fails."""
         return self.sampler.steps_left()
+
+    # -- what the checkpointer saves and restores (checkpoint.TrainingState) --
+    @property
+    def step(self) -> int:
+        """Committed steps."""
+        return self.opt.step_count
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self.sampler.epoch
+
+    @property
+    def records_done(self) -> int:
+        """Records committed so far in this epoch, over all ranks."""
+        return int(sum(self.sampler.cursors.values()))
+
+    def replica_state(self) -> bytes:
+        """The replicated state: model, optimizer, step and (registered extra state) the sampler."""
+        return self.opt.get_state()
+
+    def load_replica_state(self, blob: bytes) -> None:
+        """Take a replica_state(); the sampler state re-plans itself for this world."""
+        self.opt.set_state(blob)
 
     def _set_sampler_state(self, state: dict[str, Any]) -> None:
         # Only a fresh trainer takes a state (a resume, a reinit rebuild): its

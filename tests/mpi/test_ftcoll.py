@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from ulfmtrain import _ftcoll
 from ulfmtrain.comm import FaultTolerantComm, PlainComm
-from ulfmtrain.data import ShardedDataset
+from ulfmtrain.data.format import DatasetFile
 from ulfmtrain.models import MLP, DigitsCNN
 from ulfmtrain.trainer import TrainConfig, Trainer
 
@@ -105,11 +105,11 @@ def test_training_bit_identical_to_plain_mpi(mpi_digits, model_cls):
 
 @pytest.fixture(scope="module")
 def mpi_digits(tmp_path_factory):
-    from ulfmtrain.data import digits_to_dataset
+    from ulfmtrain.data.sources import digits_to_dataset
 
     base = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("d")) if MPI.COMM_WORLD.Get_rank() == 0 else None)
     if MPI.COMM_WORLD.Get_rank() == 0:
         digits_to_dataset(base)
     MPI.COMM_WORLD.Barrier()
-    assert ShardedDataset(Path(base) / "train.ulfmds").count == 1437
+    assert DatasetFile(Path(base) / "train.ulfmds").count == 1437
     return Path(base)

@@ -12,9 +12,9 @@ import torch
 from sklearn.datasets import load_digits
 
 from ulfmtrain import DistributedOptimizer, FaultTolerantComm
+from ulfmtrain.data.sampler import distributed_sampler
 from ulfmtrain.events import EventLog
 from ulfmtrain.models import DigitsCNNBN
-from ulfmtrain.sampler import distributed_sampler
 
 EPOCHS, BATCH = 2, 16
 torch.set_num_threads(1)

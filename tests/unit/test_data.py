@@ -1,4 +1,4 @@
-"""Unit tests for ulfmtrain.data: the ulfmds format, partition plans and LocalShard."""
+"""Unit tests for ulfmtrain.data: the ulfmds format, converters, partition plans and LocalShard."""
 
 from __future__ import annotations
 
@@ -10,26 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ulfmtrain.data import (
-    MAGIC,
-    RECORD_ALIGN,
-    DatasetError,
-    LocalShard,
+from ulfmtrain.data.format import MAGIC, RECORD_ALIGN, DatasetError, DatasetFile, dataset_paths
+from ulfmtrain.data.plan import (
     RecoveryPlan,
-    ShardedDataset,
-    arrays_to_dataset,
     check_coverage,
-    digits_to_dataset,
     initial_holdings,
     merge_ranges,
     plan_recovery,
     ranges_len,
-    records_for_bytes,
     split_ranges,
-    synthetic_dataset,
-    write_dataset,
-    write_dataset_chunks,
 )
+from ulfmtrain.data.shard import LocalShard
+from ulfmtrain.data.sources import arrays_to_dataset, digits_to_dataset, records_for_bytes, synthetic_dataset
+from ulfmtrain.data.writer import write_dataset, write_dataset_chunks
 
 FIX = "python -m ulfmtrain data"
 
@@ -97,7 +90,7 @@ def test_layout_matches_documented_format(ds_path: Path) -> None:
 
 def test_round_trip(ds_path: Path) -> None:
     a = _arrays()
-    with ShardedDataset(ds_path) as ds:
+    with DatasetFile(ds_path) as ds:
         assert ds.count == len(ds) == 37
         assert [f[0] for f in ds.fields] == ["x", "y", "flag", "w"]
         assert ds.meta["classes"] == 10
@@ -109,7 +102,7 @@ def test_round_trip(ds_path: Path) -> None:
 
 def test_sub_ranges_read_ranges_and_nbytes(ds_path: Path) -> None:
     a = _arrays()
-    with ShardedDataset(ds_path) as ds:
+    with DatasetFile(ds_path) as ds:
         _assert_same(ds.read(4, 11), {k: v[4:11] for k, v in a.items()})
         empty = ds.read(7, 7)
         assert empty["x"].shape == (0, 3, 5) and empty["y"].shape == (0,)
@@ -127,7 +120,7 @@ def test_sub_ranges_read_ranges_and_nbytes(ds_path: Path) -> None:
         with pytest.raises(ValueError):
             ds.read(5, 4)
         assert isinstance(ds.drop_cache(), bool)
-    with ShardedDataset(ds_path, verify=False) as ds:
+    with DatasetFile(ds_path, verify=False) as ds:
         before = ds.bytes_read
         ds.read(0, 10)
         assert ds.bytes_read - before == ds.nbytes([(0, 10)]) == 10 * ds.record_size
@@ -136,7 +129,7 @@ def test_sub_ranges_read_ranges_and_nbytes(ds_path: Path) -> None:
 def test_empty_dataset(tmp_path: Path) -> None:
     p = tmp_path / "e.ulfmds"
     write_dataset(p, {"x": np.zeros((0, 4), np.float32)})
-    with ShardedDataset(p) as ds:
+    with DatasetFile(p) as ds:
         assert ds.count == 0
         assert ds.read(0, 0)["x"].shape == (0, 4)
 
@@ -173,7 +166,7 @@ def test_chunked_write_count_mismatch(tmp_path: Path) -> None:
 def test_digits_converter(tmp_path: Path) -> None:
     train, test = digits_to_dataset(tmp_path / "digits", test_fraction=0.2, seed=0)
     assert train.name == "train.ulfmds" and test.name == "test.ulfmds"
-    with ShardedDataset(train) as tr, ShardedDataset(test) as te:
+    with DatasetFile(train) as tr, DatasetFile(test) as te:
         assert tr.count + te.count == 1797
         assert te.count == pytest.approx(0.2 * 1797, abs=1)
         assert tr.meta["source"] == "sklearn.load_digits" and tr.meta["classes"] == 10
@@ -201,12 +194,12 @@ def test_arrays_to_dataset(tmp_path: Path) -> None:
     y = np.array([0, 1, 2, 0, 1, 2], dtype=np.int64)
     train, test = arrays_to_dataset(tmp_path, x, y)
     assert test is None
-    with ShardedDataset(train) as ds:
+    with DatasetFile(train) as ds:
         _assert_same(ds.read(0, 6), {"x": x, "y": y})
         assert ds.meta["classes"] == 3
     train, test = arrays_to_dataset(tmp_path, x, y, x[:2], y[:2], meta={"classes": 7})
     assert test is not None
-    with ShardedDataset(test) as ds:
+    with DatasetFile(test) as ds:
         _assert_same(ds.read(0, 2), {"x": x[:2], "y": y[:2]})
         assert ds.meta["classes"] == 7
     with pytest.raises(ValueError):
@@ -215,7 +208,7 @@ def test_arrays_to_dataset(tmp_path: Path) -> None:
 
 def test_synthetic_count_and_learnable(tmp_path: Path) -> None:
     p = synthetic_dataset(tmp_path / "syn.ulfmds", records=3000, features=32, classes=4, seed=3, chunk_records=700)
-    with ShardedDataset(p) as ds:
+    with DatasetFile(p) as ds:
         assert ds.count == 3000
         assert ds.meta["classes"] == 4
         d = ds.read(0, ds.count)
@@ -253,7 +246,7 @@ def test_records_for_bytes() -> None:
 def _expect_error(path: Path, word: str) -> DatasetError:
     """Open ``path`` and assert a one-line DatasetError naming ``word`` and the fix."""
     with pytest.raises(DatasetError) as info:
-        with ShardedDataset(path) as ds:
+        with DatasetFile(path) as ds:
             ds.read(0, ds.count)
     msg = str(info.value)
     assert "\n" not in msg
@@ -269,6 +262,17 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_directory_instead_of_file(tmp_path: Path) -> None:
     _expect_error(tmp_path, "directory")
+
+
+def test_dataset_paths_finds_train_and_optional_test(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=rf"^dataset directory '{tmp_path}' has no train.ulfmds: "
+                                           rf"create it with `{FIX} digits {tmp_path}`$"):
+        dataset_paths(tmp_path)
+    train, _ = arrays_to_dataset(tmp_path, np.zeros((4, 2), np.float32), np.arange(4))
+    assert dataset_paths(tmp_path) == (train, None)
+    train, test = arrays_to_dataset(tmp_path, np.zeros((4, 2), np.float32), np.arange(4),
+                                    np.zeros((2, 2), np.float32), np.arange(2))
+    assert dataset_paths(tmp_path) == (train, test)
 
 
 def test_bad_magic(ds_path: Path) -> None:
@@ -321,12 +325,12 @@ def test_flipped_record_byte_names_record(ds_path: Path) -> None:
     err = _expect_error(ds_path, "record 23")
     assert "checksum" in str(err)
     # Ranges not touching the bad record still read fine; verify=False skips the check.
-    with ShardedDataset(ds_path) as ds:
+    with DatasetFile(ds_path) as ds:
         ds.read(0, 23)
         ds.read(24, 37)
         with pytest.raises(DatasetError, match="record 23"):
             ds.read_ranges([(0, 2), (20, 30)])
-    with ShardedDataset(ds_path, verify=False) as ds:
+    with DatasetFile(ds_path, verify=False) as ds:
         ds.read(0, 37)
 
 
@@ -343,7 +347,7 @@ def test_failing_writer_leaves_old_file_intact(ds_path: Path) -> None:
         write_dataset_chunks(ds_path, [("x", np.float32, (2,))], 4, broken_chunks())
     assert ds_path.read_bytes() == before
     assert sorted(p.name for p in ds_path.parent.iterdir()) == [ds_path.name]
-    with ShardedDataset(ds_path) as ds:
+    with DatasetFile(ds_path) as ds:
         _assert_same(ds.read(0, ds.count), _arrays())
 
 
@@ -488,11 +492,11 @@ def test_plan_recovery_errors() -> None:
 def digits_ds(tmp_path: Path):
     """Yield an open verified digits training set."""
     train, _ = digits_to_dataset(tmp_path / "digits")
-    with ShardedDataset(train) as ds:
+    with DatasetFile(train) as ds:
         yield ds
 
 
-def _assert_shard_fresh(shard: LocalShard, ds: ShardedDataset) -> None:
+def _assert_shard_fresh(shard: LocalShard, ds: DatasetFile) -> None:
     """Assert the shard holds exactly its holdings, in its index order, and gathers batches from them."""
     assert shard.holdings == merge_ranges(shard.holdings) == merge_ranges(shard.order)
     fresh = ds.read_ranges(shard.order)
@@ -505,7 +509,7 @@ def _assert_shard_fresh(shard: LocalShard, ds: ShardedDataset) -> None:
 
 
 @pytest.mark.parametrize("mode", ["partial", "full"])
-def test_local_shard_apply(digits_ds: ShardedDataset, mode: str) -> None:
+def test_local_shard_apply(digits_ds: DatasetFile, mode: str) -> None:
     ds = digits_ds
     holdings = initial_holdings(ds.count, 4)
     shards = {r: LocalShard(ds, h) for r, h in holdings.items()}
@@ -532,7 +536,7 @@ def test_local_shard_random_failures(tmp_path: Path, seed: int) -> None:
     p = tmp_path / "r.ulfmds"
     n = int(rng.integers(1, 300))
     write_dataset(p, {"v": np.arange(n, dtype=np.int32), "z": rng.standard_normal((n, 3))})
-    with ShardedDataset(p) as ds:
+    with DatasetFile(p) as ds:
         holdings = initial_holdings(n, int(rng.integers(2, 7)))
         shards = {r: LocalShard(ds, h) for r, h in holdings.items()}
         while len(shards) > 1:
@@ -546,7 +550,7 @@ def test_local_shard_random_failures(tmp_path: Path, seed: int) -> None:
             holdings = plan.holdings
 
 
-def test_local_shard_rejects_foreign_plan(digits_ds: ShardedDataset) -> None:
+def test_local_shard_rejects_foreign_plan(digits_ds: DatasetFile) -> None:
     holdings = initial_holdings(digits_ds.count, 4)
     shard = LocalShard(digits_ds, holdings[2])
     plan = plan_recovery(holdings, [1])
@@ -556,7 +560,7 @@ def test_local_shard_rejects_foreign_plan(digits_ds: ShardedDataset) -> None:
         shard.apply(plan, 0)  # plan for rank 0 was not made from rank 2's records
 
 
-def test_index_of_maps_record_ids_whatever_the_storage_order(digits_ds: ShardedDataset) -> None:
+def test_index_of_maps_record_ids_whatever_the_storage_order(digits_ds: DatasetFile) -> None:
     """A partial reload appends a segment, a full one re-reads in order: the same ids give the same records."""
     part = LocalShard(digits_ds, [(200, 250)])
     plan = plan_recovery({0: [(200, 250)], 1: [(0, 100)]}, [1], mode="partial")

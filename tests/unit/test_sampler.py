@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from ulfmtrain.data import initial_holdings, plan_recovery
-from ulfmtrain.sampler import EpochSampler, ids_of
+from ulfmtrain.data.plan import initial_holdings, plan_recovery
+from ulfmtrain.data.sampler import EpochSampler, ids_of
 
 
 def make(count: int, ranks: int, batch: int, policy: str = "exactly-once", seed: int = 7) -> EpochSampler:

@@ -11,13 +11,13 @@ no padding: a short queue gives a short or empty batch.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-from .data import Ranges, merge_ranges
-
-POLICIES = ("exactly-once", "lossy")
+from ..modes import DataPolicy, parse
+from .plan import Ranges, initial_holdings, merge_ranges, plan_recovery
 
 
 def ids_of(ranges: Iterable[tuple[int, int]]) -> np.ndarray:
@@ -51,9 +51,8 @@ class EpochSampler:
                  policy: str = "exactly-once") -> None:
         if batch < 1:
             raise ValueError(f"the batch must be at least 1 record per rank, got {batch}")
-        if policy not in POLICIES:
-            raise ValueError(f"unknown data policy {policy!r}: use one of {', '.join(POLICIES)}")
-        self.batch, self.seed, self.policy = batch, seed, policy
+        self.batch, self.seed = batch, seed
+        self.policy: DataPolicy = parse(DataPolicy, policy, "data policy")
         self.holdings = {int(w): merge_ranges(r) for w, r in holdings.items()}
         held = ids_of(r for rs in self.holdings.values() for r in rs)
         if len(np.unique(held)) != len(held):
@@ -156,8 +155,6 @@ def distributed_sampler(comm: Any, opt: Any, count: int, batch: int, *, seed: in
     and is part of the replicated state.  Epoch 0 is started; call
     `start_epoch(e)` for the next ones and train while `not epoch_done()`.
     """
-    from .data import initial_holdings, plan_recovery
-
     shards = initial_holdings(count, comm.size)
     sampler = EpochSampler({w: shards[i] for i, w in enumerate(comm.alive)}, batch, seed, policy)
 

@@ -1,7 +1,6 @@
 """Unit tests for ulfmtrain.checkpoint: the atomic file protocol, verification and fallback, both writers (no MPI)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -15,16 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from ulfmtrain.checkpoint import (
+from ulfmtrain import faults
+from ulfmtrain.checkpoint.checkpointer import Checkpointer, TrainingState, capture
+from ulfmtrain.checkpoint.format import (
     LATEST,
-    Checkpointer,
     CheckpointError,
-    OverlappedWriter,
-    WriteResult,
-    capture,
     check_model,
     checkpoint_name,
-    checkpointer_from_args,
     list_checkpoints,
     load_latest,
     prune,
@@ -33,8 +29,10 @@ from ulfmtrain.checkpoint import (
     remove_stale_temporaries,
     write_checkpoint,
 )
-from ulfmtrain import faults
+from ulfmtrain.checkpoint.writer import OverlappedWriter, WriteResult
+from ulfmtrain.cli import build_parser
 from ulfmtrain.faults import parse_kill
+from ulfmtrain.job import TrainJob
 from ulfmtrain.models import MLP
 from ulfmtrain.optim import FTSGD
 
@@ -57,7 +55,7 @@ class FakeComm:
 
 
 class FakeTrainer:
-    """What Checkpointer reads from a Trainer: model, optimizer, sampler position, comm, log, injector."""
+    """A TrainingState (what a Checkpointer saves and restores) over a real model and optimizer, without MPI."""
 
     def __init__(self, seed: int = 0, hidden: tuple[int, ...] = (16,), size: int = 4, spe: int = 23,
                  kills: tuple = ()) -> None:
@@ -75,12 +73,26 @@ class FakeTrainer:
         self.position = list(pos)
 
     @property
-    def sampler(self) -> Any:
-        return SimpleNamespace(epoch=self.position[0], cursors={0: self.position[1] * 5})
+    def step(self) -> int:
+        return self.opt.step_count
+
+    @property
+    def epoch(self) -> int:
+        return self.position[0]
+
+    @property
+    def records_done(self) -> int:
+        return self.position[1] * 5
 
     @property
     def epoch_ended(self) -> bool:
         return self.position[1] >= self.spe
+
+    def replica_state(self) -> bytes:
+        return self.opt.get_state()
+
+    def load_replica_state(self, blob: bytes) -> None:
+        self.opt.set_state(blob)
 
     def log(self, event: str, **fields: Any) -> None:
         self.records.append({"event": event, **fields})
@@ -153,8 +165,44 @@ def test_rng_states_are_saved_and_restored(tmp_path: Path) -> None:
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expect
 
 
+def test_the_trainer_is_a_training_state(tmp_path: Path) -> None:
+    """The real Trainer has every member of the protocol, and a checkpoint of it restores into another one."""
+    from ulfmtrain.data.sources import arrays_to_dataset
+    from ulfmtrain.trainer import TrainConfig, Trainer
+
+    class TrainerComm(FakeComm):
+        world_rank, alive = 0, [0]
+
+        def add_listener(self, fn: Any) -> None:
+            pass
+
+    rng = np.random.default_rng(0)
+    train, _ = arrays_to_dataset(tmp_path / "d", rng.standard_normal((40, 8)).astype(np.float32), np.arange(40) % 3)
+
+    def trainer(seed: int) -> Trainer:
+        torch.manual_seed(seed)
+        return Trainer(MLP(8, hidden=(16,), classes=3), TrainerComm(size=1), train, config=TrainConfig(progress=False))
+
+    first = trainer(0)
+    members = [name for name in vars(TrainingState) if not name.startswith("_")]
+    assert sorted(members) == sorted(["comm", "model", "step", "epoch", "records_done", "epoch_ended",
+                                      "replica_state", "load_replica_state", "log"])
+    assert all(hasattr(first, name) for name in members)
+    first.sampler.start_epoch(0)
+    first.sampler.commit()
+    Checkpointer(tmp_path / "c", every=1).begin(first)
+    header = read_checkpoint(tmp_path / "c" / "ckpt-000000.pt").header
+    assert (header["step"], header["epoch"], header["records_done"], header["world_size"]) == (0, 0, 16, 1)
+    second = trainer(1)
+    assert second.opt.checksum() != first.opt.checksum()
+    second.sampler.start_epoch(0)
+    assert Checkpointer(tmp_path / "c", every=1, resume=True).begin(second) is True
+    assert second.opt.checksum() == first.opt.checksum() and second.records_done == 16
+
+
 def test_no_temporary_files_are_left(three: Path) -> None:
-    assert sorted(p.name for p in three.iterdir()) == sorted([LATEST, "ckpt-000010.pt", "ckpt-000020.pt", "ckpt-000030.pt"])
+    assert sorted(p.name for p in three.iterdir()) == sorted(
+        [LATEST, "ckpt-000010.pt", "ckpt-000020.pt", "ckpt-000030.pt"])
 
 
 # --------------------------------------------------------------------------- bad checkpoints
@@ -281,7 +329,7 @@ def test_checkpointer_keeps_training_when_a_write_fails(tmp_path: Path, monkeypa
     tr, warned = FakeTrainer(), Warnings()
     ck = Checkpointer(tmp_path, every=2, warn=warned)
     ck.begin(tr)
-    monkeypatch.setattr("ulfmtrain.checkpoint.write_checkpoint",
+    monkeypatch.setattr("ulfmtrain.checkpoint.checkpointer.write_checkpoint",
                         lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     tr.train_step(), tr.train_step()
     ck.after_step(tr)
@@ -388,10 +436,19 @@ def test_overlapped_writer_bounds_writes_in_flight() -> None:
 # --------------------------------------------------------------------------- flags
 
 
-def _args(**kw: Any) -> argparse.Namespace:
-    base = dict(ckpt_dir=None, ckpt_every=0, ckpt_epoch=False, ckpt_strategy="blocking", ckpt_inflight=2,
-                ckpt_keep=3, resume=False, recovery="shrink", kill=[])
-    return argparse.Namespace(**{**base, **kw})
+def _job(**kw: Any) -> TrainJob:
+    """The train job of the command line with these flags (flag name: value)."""
+    argv = ["train"]
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        for x in (v if isinstance(v, list) else [v]):
+            argv += [flag] if x is True else [flag, str(x)]
+    return TrainJob.from_args(build_parser().parse_args(argv))
+
+
+def _checkpointer(job: TrainJob, resume: bool = False) -> Checkpointer | None:
+    job.validate()
+    return job.checkpointer(resume)
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -405,15 +462,15 @@ def _args(**kw: Any) -> argparse.Namespace:
 ])
 def test_bad_flags_are_one_line_errors(kw: dict, msg: str) -> None:
     with pytest.raises(ValueError) as exc:
-        checkpointer_from_args(_args(**kw))
+        _checkpointer(_job(**kw))
     assert msg in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_flags_build_a_checkpointer() -> None:
-    assert checkpointer_from_args(_args()) is None
-    ck = checkpointer_from_args(_args(ckpt_dir="c", recovery="restart"))
+    assert _checkpointer(_job()) is None
+    ck = _checkpointer(_job(ckpt_dir="c", recovery="restart"))
     assert (ck.every, ck.epoch, ck.strategy) == (0, True, "blocking")   # no cadence given: every epoch
-    ck = checkpointer_from_args(_args(ckpt_dir="c", ckpt_every=20, ckpt_strategy="overlapped"), resume=True)
+    ck = _checkpointer(_job(ckpt_dir="c", ckpt_every=20, ckpt_strategy="overlapped"), resume=True)
     assert (ck.every, ck.epoch, ck.strategy, ck.resume) == (20, False, "overlapped", True)
 
 
