@@ -33,8 +33,9 @@ ext = Extension(
     sources=["ulfmtrain/_ftcoll.pyx", *sources],
     include_dirs=["csrc"],
     define_macros=[("_POSIX_C_SOURCE", "200809L")],
-    extra_compile_args=mpi_flags("compile"),
-    extra_link_args=mpi_flags("link"),
+    # -pthread: csrc/lifecycle.c's watchdog thread (not every MPI's wrapper adds it).
+    extra_compile_args=[*mpi_flags("compile"), "-pthread"],
+    extra_link_args=[*mpi_flags("link"), "-pthread"],
 )
 
 setup(

@@ -6,11 +6,9 @@
 #include "ulfm_compat.h"
 
 #include <limits.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 /* Shrink itself can meet a new failure; give up only after this many tries. */
@@ -135,31 +133,4 @@ int ftc_repair(MPI_Comm *comm, ftc_report *rep)
     }
     rep->mpi_error = MPI_ERR_INTERN;
     return FTC_ERROR;
-}
-
-struct watchdog {
-    double timeout_s;
-    int exit_code;
-};
-
-static void *watchdog_main(void *p)
-{
-    struct watchdog *w = p;
-    struct timespec ts = { (time_t)w->timeout_s,
-                           (long)((w->timeout_s - (time_t)w->timeout_s) * 1e9) };
-    while (nanosleep(&ts, &ts) != 0)
-        ;
-    _exit(w->exit_code);
-    return NULL;
-}
-
-int ftc_finalize(double timeout_s, int exit_code)
-{
-    static struct watchdog w;
-    pthread_t thread;
-    w.timeout_s = timeout_s;
-    w.exit_code = exit_code;
-    if (pthread_create(&thread, NULL, watchdog_main, &w) == 0)
-        pthread_detach(thread);
-    return MPI_Finalize();
 }

@@ -70,9 +70,4 @@ void ftc_set_max_chunk(MPI_Count elements);
 /* Arm a kill inside the next repair of this process (tests only). */
 void ftc_set_killpoint(int point);
 
-/* MPI_Finalize, but _exit(exit_code) if it has not returned within
- * timeout_s: after a failure it can hang (ompi #11404).  The watchdog is a
- * C thread because the caller may hold a lock (Python's GIL) meanwhile. */
-int ftc_finalize(double timeout_s, int exit_code);
-
 #endif /* ULFMTRAIN_FTCOLL_H */

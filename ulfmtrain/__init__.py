@@ -2,12 +2,23 @@
 
 Names are imported on first use, so that `python -m ulfmtrain demo` and the
 data tools do not initialize MPI in a process that mpirun did not start.
+
+In a rank that mpirun started, importing the package initializes MPI, within
+$ULFMTRAIN_INIT_TIMEOUT seconds (60): a rank that died during start-up would
+otherwise leave the others waiting in MPI_Init for ever.  Programs that use
+MPI.COMM_WORLD directly after `import ulfmtrain` find MPI initialized as
+mpi4py would have left it; see lifecycle.start_at_import.
 """
 from __future__ import annotations
 
 import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+from . import lifecycle
+
+# Before anything imports mpi4py.MPI, which would initialize MPI with no bound.
+lifecycle.start_at_import()
 
 try:
     __version__ = version("ulfmtrain")

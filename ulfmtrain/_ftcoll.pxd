@@ -1,4 +1,4 @@
-# Declarations of csrc/ftcoll.h (one .pxd per C header).
+# Declarations of csrc/ftcoll.h and csrc/lifecycle.h (one block per C header).
 from mpi4py.libmpi cimport MPI_Comm, MPI_Count, MPI_Datatype, MPI_Op
 
 cdef extern from "ftcoll.h" nogil:
@@ -24,4 +24,12 @@ cdef extern from "ftcoll.h" nogil:
     int ftc_repair(MPI_Comm *comm, ftc_report *report)
     void ftc_set_max_chunk(MPI_Count elements)
     void ftc_set_killpoint(int point)
-    int ftc_finalize(double timeout_s, int exit_code)
+
+cdef extern from "lifecycle.h" nogil:
+    enum:
+        FTC_INIT_HANG_EXIT
+        FTC_EINVAL
+        FTC_ENOTHREAD
+
+    int ftc_init_bounded(double timeout_s, int *provided)
+    int ftc_finalize(double timeout_s, int hang_exit_code)

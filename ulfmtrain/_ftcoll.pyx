@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Bind the C fault path (csrc/ftcoll.c) to mpi4py communicators."""
+"""Bind the C fault path (csrc/ftcoll.c) to mpi4py communicators, and the bounded
+MPI_Init / MPI_Finalize (csrc/lifecycle.c)."""
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release,
                              PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE)
 from libc.string cimport memset
@@ -14,6 +15,7 @@ ERROR = FTC_ERROR
 KILL_NONE = FTC_KILL_NONE
 KILL_AFTER_REVOKE = FTC_KILL_AFTER_REVOKE
 KILL_AFTER_SHRINK = FTC_KILL_AFTER_SHRINK
+INIT_HANG_EXIT_CODE = FTC_INIT_HANG_EXIT
 
 
 class FaultPathError(RuntimeError):
@@ -115,8 +117,35 @@ def set_killpoint(int point):
     ftc_set_killpoint(point)
 
 
-def finalize(double timeout, int exit_code):
-    """MPI_Finalize under a watchdog that _exits with exit_code after timeout seconds."""
+def init_bounded(double timeout):
+    """MPI_Init_thread(MULTIPLE); if it has not returned after timeout seconds, one line on stderr
+    and _exit(INIT_HANG_EXIT_CODE).  Return the thread level provided."""
+    cdef int provided = 0
+    cdef int rc
     with nogil:
-        ftc_finalize(timeout, exit_code)
+        rc = ftc_init_bounded(timeout, &provided)
+    if rc == FTC_EINVAL:
+        raise ValueError(f"MPI_Init timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if rc == FTC_ENOTHREAD:
+        raise RuntimeError("could not start the MPI_Init watchdog thread; MPI was not initialized")
+    if rc != 0:
+        raise FaultPathError(f"MPI_Init_thread failed with error code {rc}")
+    return provided
 
+
+def finalize(double timeout, int exit_code):
+    """MPI_Finalize; if it has not returned after timeout seconds, one line on stderr and
+    _exit(exit_code), which must be non-zero so that a hang never reads as success.
+
+    Return MPI_Finalize's error code: after a failure it may report one, and there is nothing
+    left to repair, so it is the caller's to log or ignore."""
+    cdef int rc
+    with nogil:
+        rc = ftc_finalize(timeout, exit_code)
+    if rc == FTC_EINVAL:
+        if exit_code == 0:
+            raise ValueError("finalize's hang exit code must be non-zero: a hang must not read as success")
+        raise ValueError(f"finalize timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if rc == FTC_ENOTHREAD:
+        raise RuntimeError("could not start the MPI_Finalize watchdog thread; MPI was not finalized")
+    return rc

@@ -20,8 +20,8 @@ EPOCHS, BATCH = 2, 16
 torch.set_num_threads(1)
 out = sys.argv[1]
 comm = FaultTolerantComm()
-# After MPI_Init (a rank that dies before it completes is not bounded yet): the killer strikes from here on,
-# in the initial broadcast included.
+# After MPI_Init (a death before it completes ends the job within ULFMTRAIN_INIT_TIMEOUT, see
+# tests/test_lifecycle.py): the killer strikes from here on, in the initial broadcast included.
 with open(os.path.join(out, f"pid{os.environ['OMPI_COMM_WORLD_RANK']}"), "w") as f:
     f.write(str(os.getpid()))
 x, y = load_digits(return_X_y=True)
