@@ -28,5 +28,5 @@ python -m pip install -q -r "$VENV/build-requirements.txt"
 # torch is pinned in pyproject.toml (torch==2.13.0): an unpinned torch pulls
 # GBs of CUDA packages.  Where the CPU wheel is not on the default index, set
 # PIP_EXTRA_INDEX_URL to PyTorch's CPU index (docker/Dockerfile does).
-python -m pip install -q --no-build-isolation ".[test]"
+python -m pip install -q --no-build-isolation ".[tools,test]"
 python -P -c "import ulfmtrain, ulfmtrain._ftcoll; print('ulfmtrain', ulfmtrain.__version__, 'installed in', '$VENV')"

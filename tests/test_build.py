@@ -34,6 +34,15 @@ def test_public_api():
         assert getattr(ulfmtrain, name) is not None
 
 
+def test_readme_lists_the_public_api():
+    """The README's "Public names:" sentence is `__all__`, no more, no less."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("Public names:")
+    sentence = readme[start:readme.index(". ", start)]
+    listed = set(re.findall(r"`([A-Za-z_]+)`", sentence))
+    assert listed == set(ulfmtrain.__all__) - {"__version__"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_setup_py_builds_the_same_extension(tmp_path):

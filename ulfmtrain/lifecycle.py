@@ -17,7 +17,8 @@ import atexit
 import math
 import os
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 INIT_TIMEOUT_ENV = "ULFMTRAIN_INIT_TIMEOUT"
 DEFAULT_INIT_TIMEOUT = 60.0   # start-up takes 0.2-3 s here; the bound also covers ranks that start late

@@ -6,16 +6,13 @@ from typing import Any
 
 import numpy as np
 
+from .extras import require
 from .lost_time import COMPONENT_LABELS, COMPONENTS, fmt_s
 
 
 def pyplot() -> Any:
     """Return matplotlib.pyplot on the Agg backend (no display on a compute node)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'ulfmtrain[tools]'") from None
-    matplotlib.use("Agg")
+    require("matplotlib", "drawing figures").use("Agg")
     import matplotlib.pyplot as plt
     return plt
 

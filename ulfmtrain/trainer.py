@@ -20,6 +20,7 @@ from .data.plan import initial_holdings, plan_recovery, ranges_len
 from .data.sampler import EpochSampler
 from .data.shard import LocalShard
 from .events import EventLog
+from .extras import require
 from .faults import Kill
 from .job import TrainConfig
 from .optim import FTSGD, DistributedOptimizer
@@ -201,7 +202,7 @@ class Trainer:
         if not self.cfg.progress or self.comm.rank != 0:
             return
         if self._bar is None:
-            from tqdm import tqdm
+            tqdm = require("tqdm", "the progress bar (or train with --no-progress)").tqdm
             self._bar = tqdm(initial=self.opt.step_count - 1, unit="step", mininterval=0.5, dynamic_ncols=True)
         self._bar.set_description(f"epoch {self.sampler.epoch} x{self.comm.size}", refresh=False)
         self._bar.set_postfix(loss=f"{loss:.4f}", left=self.steps_left(), refresh=False)

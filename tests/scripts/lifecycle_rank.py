@@ -60,9 +60,9 @@ elif mode in ("probe", "mpi4py-first"):
         from mpi4py import MPI
     t0 = time.time()
     import mpi4py
+    from mpi4py import MPI
 
     import ulfmtrain  # noqa: F401
-    from mpi4py import MPI
     init_s = time.time() - t0
     eh = MPI.COMM_WORLD.Get_errhandler()
     record(mode, initialized=MPI.Is_initialized(), thread=MPI.Query_thread(), multiple=MPI.THREAD_MULTIPLE,
@@ -72,8 +72,9 @@ elif mode in ("probe", "mpi4py-first"):
     eh.Free()
 
 elif mode == "finalize-ok":
-    from ulfmtrain import lifecycle
     from mpi4py import MPI
+
+    from ulfmtrain import lifecycle
 
     MPI.COMM_WORLD.Barrier()
     t0 = time.time()
@@ -86,8 +87,9 @@ elif mode == "finalize-ok":
     sys.exit(0)
 
 elif mode == "finalize-hang":
-    from ulfmtrain import lifecycle
     from mpi4py import MPI
+
+    from ulfmtrain import lifecycle
 
     MPI.COMM_WORLD.Barrier()
     if rank == 1:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..extras import require
 from .format import split_path
 from .writer import write_dataset, write_dataset_chunks
 
@@ -35,8 +36,8 @@ def digits_to_dataset(
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     # Imported here so reading datasets never pays for (or needs) scikit-learn.
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    load_digits = require("sklearn.datasets", "the digits dataset").load_digits
+    train_test_split = require("sklearn.model_selection", "the digits dataset").train_test_split
 
     digits = load_digits()
     x = (digits.data.astype(np.float32) / np.float32(16.0)).reshape(-1, 1, 8, 8)

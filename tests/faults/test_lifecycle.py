@@ -18,7 +18,7 @@ import pytest
 from ulfmtrain import lifecycle
 from ulfmtrain.launch import mpirun_prefix
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 INIT_TIMEOUT = 5.0
 SLACK = 5.0          # a loaded 2-core machine: process start, mpirun noticing, the wrapper's date
 
@@ -87,7 +87,7 @@ def test_rank_dead_before_init_ends_the_others_within_the_bound(tmp_path: Path) 
     for r, waited in by_watchdog.items():
         assert INIT_TIMEOUT - 0.05 <= waited <= INIT_TIMEOUT + SLACK, (r, waited, why)
     first_end = min(t for code, t in ended.values() if code == lifecycle.INIT_HANG_EXIT_CODE)
-    for r, (code, t) in ended.items():
+    for r, (_code, t) in ended.items():
         assert t - starts[r]["t"] >= INIT_TIMEOUT - 0.05, (r, why)     # nothing ended it before the bound
         assert t - first_end <= 2.0, (r, why)
     print(f"\nMPI_Init bound {INIT_TIMEOUT:g} s: survivors ended after {sorted(by_watchdog.values())} s "
