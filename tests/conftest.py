@@ -46,7 +46,7 @@ def run_script(n: int, script: Path, args: list[str], timeout: float,
     return _run([*mpirun_prefix(n), sys.executable, "-P", str(script), *args], timeout, env)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mpi():
     """The helpers above, for tests (importlib mode keeps conftest out of reach of imports)."""
     return type("Mpi", (), {"run": staticmethod(run_mpi), "script": staticmethod(run_script), "root": ROOT})

@@ -41,6 +41,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         + " (checkpoint: rank 0 only, half-way through writing that step's checkpoint)")
     p.add_argument("--out", default="ulfmtrain-out", help="directory for rank<N>.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="the last K ranks are hot spares: they wait, and take a dead rank's slot with the "
+                        "survivors' live state (launch -n N --spares K starts N + K ranks)")
     p.add_argument("--finalize-timeout", type=float, default=5.0,
                    help="seconds MPI_Finalize may take before the rank exits anyway")
     g = p.add_argument_group("recovery mode and checkpoints (see docs/recovery-modes.md)")
@@ -74,7 +77,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise UsageError("launch needs a command after --, e.g. `launch -n 4 -- train --data DIR`")
-    return launch(args.n, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg)
+    if args.spares:
+        if args.spares < 0 or argv[0] != "train":
+            raise UsageError("--spares K needs K >= 0 and a train command: `launch -n N --spares K -- train ...`")
+        argv += ["--spares", str(args.spares)]
+    return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -122,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="run a command under mpirun --with-ft ulfm with the right flags")
     p.add_argument("-n", type=int, required=True, help="number of ranks")
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="start K more ranks as hot spares for the train command")
     p.add_argument("--hostfile", default=None, help="hosts for a multi-node run (adds --mca coll ^han)")
     p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ...")

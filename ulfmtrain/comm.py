@@ -96,14 +96,16 @@ class _CommBase:
 
     comm: MPI.Intracomm
 
-    def _setup(self, comm: MPI.Intracomm) -> None:
+    def _setup(self, comm: MPI.Intracomm, world_rank: int | None = None, alive: list[int] | None = None) -> None:
         self.comm = comm
-        self.world_rank = MPI.COMM_WORLD.Get_rank()
-        self.alive = world_ranks(comm)
-        self.world_history = [self.size]
+        self.world_rank = MPI.COMM_WORLD.Get_rank() if world_rank is None else world_rank
+        self.alive = world_ranks(comm) if alive is None else alive
+        self.world_history = [len(self.alive)]
         self.events: list[RecoveryEvent] = []
         self.step = 0               # the caller's step counter, for the event log
         self._listeners: list[Listener] = []
+        self._attempt = 0           # the attempt in flight (a spare's handover says which comes next)
+        self._next_attempt = 0
 
     @property
     def rank(self) -> int:
@@ -121,7 +123,7 @@ class _CommBase:
         """Broadcast the object that make() returns on the lowest survivor."""
         return pickle.loads(self.bcast_bytes(lambda: pickle.dumps(make(), protocol=5)))
 
-    def bcast_bytes(self, make: Callable[[], bytes]) -> bytes:  # pragma: no cover - overridden
+    def bcast_bytes(self, make: Callable[[], bytes], root: int = 0) -> bytes:  # pragma: no cover - overridden
         raise NotImplementedError
 
 
@@ -142,8 +144,9 @@ class FaultTolerantComm(_CommBase):
         commit(result) runs on every survivor, once, before a repair that the
         commit agree may call for, so listeners see the committed state.
         """
-        n = 0
+        n, self._next_attempt = self._next_attempt, 0
         while True:
+            self._attempt = n
             t0 = MPI.Wtime()
             status, result = _ftcoll.OK, None
             try:
@@ -213,21 +216,22 @@ class FaultTolerantComm(_CommBase):
             self._repair("agree", True, t, t, 0.0)
         return value
 
-    def bcast_bytes(self, make: Callable[[], bytes]) -> bytes:
-        """Broadcast bytes from the lowest survivor, as buffers (no pickle of a large payload).
+    def bcast_bytes(self, make: Callable[[], bytes], root: int = 0) -> bytes:
+        """Broadcast bytes from rank `root` (the lowest survivor), as buffers (no pickle of a large payload).
 
         make() runs on the root of each attempt: after a repair the new lowest
         survivor is the root and builds the payload again from its own state.
         """
-        def attempt(_: int) -> bytes:
+        def attempt(n: int) -> bytes:
+            src = root if n == 0 else 0
             size = np.zeros(1, dtype=np.int64)
-            if self.rank == 0:
+            if self.rank == src:
                 data = np.frombuffer(bytearray(make()), dtype=np.uint8)
                 size[0] = data.size
-            self._check(_ftcoll.bcast_try(self.comm, size, 0))
-            if self.rank != 0:
+            self._check(_ftcoll.bcast_try(self.comm, size, src))
+            if self.rank != src:
                 data = np.empty(int(size[0]), dtype=np.uint8)
-            self._check(_ftcoll.bcast_try(self.comm, data, 0))
+            self._check(_ftcoll.bcast_try(self.comm, data, src))
             return data.tobytes()
 
         return self.transaction(attempt, what="bcast")
@@ -281,7 +285,7 @@ class PlainComm(_CommBase):
     def agree(self, flag: int) -> int:
         return self.comm.allreduce(flag, op=MPI.BAND)
 
-    def bcast_bytes(self, make: Callable[[], bytes]) -> bytes:
-        return self.comm.bcast(make() if self.rank == 0 else None, root=0)
+    def bcast_bytes(self, make: Callable[[], bytes], root: int = 0) -> bytes:
+        return self.comm.bcast(make() if self.rank == root else None, root=root)
 
     finalize = FaultTolerantComm.finalize

@@ -65,6 +65,7 @@ class TrainJob:
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     out: Path = Path("ulfmtrain-out")
     finalize_timeout: float = 5.0
+    spares: int = 0                   # the last K ranks wait and take dead ranks' slots (shrink mode)
 
     # -- from and to the command line -----------------------------------------
     @classmethod
@@ -80,7 +81,7 @@ class TrainJob:
         ckpt = CheckpointOptions(path(ns.ckpt_dir), ns.ckpt_every, ns.ckpt_epoch, CheckpointStrategy(ns.ckpt_strategy),
                                  ns.ckpt_inflight, ns.ckpt_keep, ns.resume)
         return cls(path(ns.data), path(ns.train_file), path(ns.test_file), ns.model, config, list(ns.kill),
-                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout)
+                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout, ns.spares)
 
     def to_argv(self) -> list[str]:
         """The `train ...` command line that from_args turns back into this job."""
@@ -96,7 +97,7 @@ class TrainJob:
                  "--bucket-bytes", str(c.bucket_bytes), "--out", str(self.out),
                  "--finalize-timeout", repr(self.finalize_timeout), "--recovery", self.recovery.value,
                  "--ckpt-every", str(k.every), "--ckpt-strategy", k.strategy.value,
-                 "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep)]
+                 "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep), "--spares", str(self.spares)]
         for flag, on in (("--audit", c.audit), ("--no-progress", not c.progress), ("--ckpt-epoch", k.epoch),
                          ("--resume", k.resume)):
             if on:
@@ -120,6 +121,8 @@ class TrainJob:
             if kill.phase == Phase.CHECKPOINT and kill.rank != 0:
                 raise UsageError(f"kill spec {spec!r} never fires: only rank 0 writes checkpoints "
                                  "(use 0@STEP:checkpoint)")
+        if self.spares < 0 or (self.spares and self.recovery is not Recovery.SHRINK):
+            raise UsageError(f"--spares {self.spares}: spares are a number >= 0 and work with --recovery shrink")
         k = self.checkpoint
         if k.directory is None:
             if self.recovery.needs_checkpoints:

@@ -121,9 +121,12 @@ def _build_trainer(job: TrainJob, model: Any, comm: Any, kills: list[Kill], resu
     except DatasetError as exc:   # e.g. a corrupt record in my shard only
         error = exc
     init_ms = (time.perf_counter() - t0) * 1e3
-    # Uniform: either every rank loaded its shard or all stop together,
-    # rather than the others "recovering" from the one that exited.
-    if not comm.agree(0 if error else 1):
+    # Uniform: either every rank loaded its shard or all stop together, rather than the others
+    # "recovering" from the one that exited.  (A spare taking a slot joins training ranks that are past this.)
+    if getattr(comm, "takeover", None) is not None:
+        if error:
+            raise error
+    elif not comm.agree(0 if error else 1):
         if error:
             raise error
         raise _PeerFailed
@@ -151,8 +154,16 @@ def run(job: TrainJob) -> int:
     comm: Any = None
     try:
         try:
-            comm = job.recovery.make_comm()
+            if job.spares:
+                from .spares import SpareComm
+                comm = SpareComm(job.spares)
+                if comm.is_spare and not comm.wait_for_slot():
+                    return finalize(job.finalize_timeout, 0)     # training ended without needing me
+            else:
+                comm = job.recovery.make_comm()
             kills = parse_kills(job.kill_specs, comm.size)
+            if getattr(comm, "takeover", None) is not None:   # the dead rank's kill fired: not again in its slot
+                kills = [k for k in kills if k.rank != comm.world_rank]
             job.validate()
             job.checkpointer()           # its own checks, before any rank trains
             train_path, _ = job.dataset_paths()
@@ -177,6 +188,8 @@ def run(job: TrainJob) -> int:
             summary = fit_with_reinit(trainer, build, job)
         else:
             summary = trainer.fit()
+        if job.spares:
+            comm.release_spares()
         if comm.rank == 0:
             acc = summary["test_acc"]
             tail = f", test accuracy {acc:.4f}" if acc is not None else ""

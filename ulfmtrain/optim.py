@@ -167,6 +167,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+        # A SpareComm: survivors hand the committed state (buffers as of the last update, not as this
+        # step's forward left them) to the spares that join.
+        self._committed_buffers: dict[str, torch.Tensor] | None = None
+        if hasattr(comm, "handover"):
+            comm.handover = self.handover
         if broadcast:
             self.broadcast_state()
 
@@ -287,6 +292,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         faults.point(self.step_count - 1, "update")
         self.optimizer.step()
+        if hasattr(self.comm, "handover"):
+            self._keep_committed_buffers()
+            pending, self.comm.pending_handover = self.comm.pending_handover, None
+            if pending is not None:         # a failure after the last bucket: the step committed, now hand over
+                self.handover(*pending)
         return loss
 
     # -- the replicated state ----------------------------------------------------
@@ -296,9 +306,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
         }
 
-    def get_state(self, extra: bool = True) -> bytes:
-        """Model, optimizer, step and (unless extra=False) the registered extra state, serialized."""
+    def get_state(self, extra: bool = True, buffers: dict[str, torch.Tensor] | None = None) -> bytes:
+        """Model, optimizer, step and (unless extra=False) the registered extra state, serialized.
+
+        buffers: the model's buffers to send instead of their current values.
+        """
         state = self._tensors()
+        if buffers:
+            state["model"].update(buffers)
         state["step"] = self.step_count
         state["extra"] = {k: get() for k, (get, _) in self._extra.items()} if extra else {}
         buf = io.BytesIO()
@@ -319,11 +334,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for k, v in state["extra"].items():
             self._extra[k][1](v)
 
+    def handover(self, root: int, attempt: int = 0, *, receive: bool = False) -> None:
+        """Hand the committed state to ranks that take dead ranks' places (spares), from comm rank `root`.
+
+        Survivors send (attempt: the number of the attempt that comes next, so a
+        newcomer's audit lines line up); a newcomer calls it with receive=True.
+        """
+        blob = self.comm.bcast_bytes(
+            lambda: self.get_state(buffers=self._committed_buffers) + attempt.to_bytes(8, "little"), root=root)
+        if receive:
+            self.set_state(blob[:-8])
+            self._keep_committed_buffers()
+            self.comm._next_attempt = int.from_bytes(blob[-8:], "little")
+
+    def _keep_committed_buffers(self) -> None:
+        if self.model is not None:
+            self._committed_buffers = {k: b.detach().clone() for k, b in self.model.named_buffers()}
+
     def broadcast_state(self) -> None:
         """Start every rank from the lowest survivor's state (Horovod's broadcast_parameters, fault-tolerant)."""
         faults.point(self.step_count, "init")
         # Without the extra state: every rank builds it (the sampler) alike, and it may already have been re-planned.
         self.set_state(self.comm.bcast_bytes(lambda: self.get_state(extra=False)))
+        if hasattr(self.comm, "handover"):
+            self._keep_committed_buffers()
 
     def checksum(self) -> int:
         """CRC32 of parameters, buffers, optimizer state and step: equal on consistent replicas."""

@@ -184,6 +184,12 @@ class Trainer:
         self.model.train()
         return float((pred == torch.from_numpy(self.test["y"])).float().mean())
 
+    def _next_epoch(self) -> None:
+        if self.sampler.epoch + 1 < self.cfg.epochs:
+            self.sampler.start_epoch(self.sampler.epoch + 1)
+        else:
+            self.sampler.epoch += 1
+
     def _end_epoch(self) -> None:
         rec: dict[str, Any] = {"epoch": self.sampler.epoch, "step": self.opt.step_count,
                                "checksum": self.opt.checksum()}
@@ -213,8 +219,14 @@ class Trainer:
         t_start = time.perf_counter()
         torch.manual_seed(self.cfg.seed)
         self.sampler.start_epoch(0)
-        # Every rank starts from one state: the checkpoint a resume restores, or the lowest rank's.
-        if self.checkpointer is None or not self.checkpointer.resume:
+        # Every rank starts from one state: the checkpoint a resume restores, or the lowest rank's;
+        # a spare that takes a dead rank's slot gets the survivors' live state.
+        takeover = getattr(self.comm, "takeover", None)
+        if takeover is not None:
+            self.opt.handover(takeover["root"], receive=True)
+            if self.sampler.epoch_done():      # it joins after a step that closed an epoch, as the survivors did
+                self._next_epoch()
+        elif self.checkpointer is None or not self.checkpointer.resume:
             if self._broadcast:
                 self.opt.broadcast_state()
         if self.checkpointer is not None:
@@ -238,10 +250,7 @@ class Trainer:
                 self.epoch_ended = self.sampler.epoch_done()
                 if self.epoch_ended:
                     self._end_epoch()
-                    if self.sampler.epoch + 1 < self.cfg.epochs:
-                        self.sampler.start_epoch(self.sampler.epoch + 1)
-                    else:
-                        self.sampler.epoch += 1
+                    self._next_epoch()
                 if self.checkpointer is not None:
                     self.checkpointer.after_step(self)
         finally:

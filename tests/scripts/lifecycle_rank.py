@@ -22,6 +22,7 @@ peer-dies        FaultTolerantComm; the last rank SIGKILLs itself after one
 Every mode records, from an atexit handler registered before `import
 ulfmtrain` (so it runs after ulfmtrain's), whether MPI was finalized at exit.
 """
+# ruff: noqa: I001  (the order of imports is what these tests test)
 import atexit
 import json
 import os
@@ -60,9 +61,9 @@ elif mode in ("probe", "mpi4py-first"):
         from mpi4py import MPI
     t0 = time.time()
     import mpi4py
-    from mpi4py import MPI
 
-    import ulfmtrain  # noqa: F401
+    import ulfmtrain  # noqa: F401  # before mpi4py.MPI: the bounded MPI_Init is ulfmtrain's
+    from mpi4py import MPI
     init_s = time.time() - t0
     eh = MPI.COMM_WORLD.Get_errhandler()
     record(mode, initialized=MPI.Is_initialized(), thread=MPI.Query_thread(), multiple=MPI.THREAD_MULTIPLE,

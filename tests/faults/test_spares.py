@@ -1,0 +1,54 @@
+"""Hot spares: a spare takes a dead rank's slot with the survivors' live state; the run ends where a
+failure-free run ends (same seed, same slots, same reduction order)."""
+from __future__ import annotations
+
+import pytest
+
+from ulfmtrain.audit import audit_logs
+from ulfmtrain.events import read_rank_logs, select
+
+pytestmark = pytest.mark.faults
+SLOTS, EPOCHS, BOUND_S = 3, 2, 150
+TRAIN = ["--epochs", str(EPOCHS), "--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress"]
+
+
+def train(mpi, digits_dir, out, spares: int, *kills: str, slots: int = SLOTS):
+    argv = ["train", "--data", str(digits_dir), "--out", str(out), "--spares", str(spares), *TRAIN]
+    for k in kills:
+        argv += ["--kill", k]
+    proc = mpi.run(SLOTS + spares, argv, timeout=BOUND_S)
+    logs = read_rank_logs(out)
+    diag = proc.stdout[-2000:] + proc.stderr[-3000:]
+    # One log per slot: a spare that takes a slot goes on writing that slot's log.
+    ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if select(recs, "end")}
+    assert sorted(ends) == list(range(slots)), diag
+    assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
+    rows = audit_logs(logs)
+    assert len(rows) == EPOCHS and all(r.exact and r.finished for r in rows), rows
+    return ends[0], logs
+
+
+@pytest.fixture(scope="module")
+def failure_free(mpi, digits_dir, tmp_path_factory):
+    end, _ = train(mpi, digits_dir, tmp_path_factory.mktemp("free"), 0)
+    assert end["world_history"] == [SLOTS]
+    return end
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+@pytest.mark.parametrize("kill", ["1@20:backward", "0@33:allreduce", "2@47:commit"])
+def test_a_spare_takes_the_slot_and_the_run_ends_bit_identical(mpi, digits_dir, tmp_path, failure_free, kill):
+    end, logs = train(mpi, digits_dir, tmp_path, 1, kill)
+    assert end["world_history"] == [SLOTS, SLOTS]                  # the world never shrank
+    dead = kill.split("@")[0]
+    (rec,) = select(logs[min(s for s in range(SLOTS) if str(s) != dead)], "recovery")
+    assert rec["removed"] == [] and list(rec["replaced"]) == [dead], rec
+    assert end["checksum"] == failure_free["checksum"]             # where the failure-free run ends
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_more_failures_than_spares_falls_back_to_shrink(mpi, digits_dir, tmp_path):
+    end, logs = train(mpi, digits_dir, tmp_path, 1, "1@15", "2@40", slots=SLOTS - 1)
+    assert end["world_history"] == [SLOTS, SLOTS, SLOTS - 1]
+    first, second = select(logs[0], "recovery")      # slot 0 survives both
+    assert list(first["replaced"]) == ["1"] and second["removed"] == [2] and second["replaced"] == {}
