@@ -172,6 +172,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._committed_buffers: dict[str, torch.Tensor] | None = None
         if hasattr(comm, "handover"):
             comm.handover = self.handover
+            self._keep_committed_buffers()
         if broadcast:
             self.broadcast_state()
 
@@ -237,6 +238,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             samples: this rank's samples in the batch (the weight of its
                 gradient); None counts every rank alike.
         """
+        self._pending_handover()
         weight = 1.0 if samples is None else float(samples)
         self._count[0][0] = weight
         for b in self.buckets:
@@ -269,6 +271,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bb.finish(scale)
         self.samples_total += total
         self.step_count += 1
+        if self._committed_buffers is not None:    # a SpareComm: what a newcomer gets
+            self._keep_committed_buffers()
         for fn in self._commit_hooks:
             fn()
 
@@ -292,12 +296,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         faults.point(self.step_count - 1, "update")
         self.optimizer.step()
-        if hasattr(self.comm, "handover"):
-            self._keep_committed_buffers()
-            pending, self.comm.pending_handover = self.comm.pending_handover, None
-            if pending is not None:         # a failure after the last bucket: the step committed, now hand over
-                self.handover(*pending)
+        self._pending_handover()
         return loss
+
+    def _pending_handover(self) -> None:
+        """After a failure after the last bucket (the step committed): hand over once the update is applied,
+        or at the next synchronize if the update was skipped (a GradScaler's inf step)."""
+        pending = getattr(self.comm, "pending_handover", None)
+        if pending is not None:
+            self.comm.pending_handover = None
+            self.handover(*pending)
 
     # -- the replicated state ----------------------------------------------------
     def _tensors(self) -> dict[str, Any]:
@@ -333,6 +341,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_count = state["step"]
         for k, v in state["extra"].items():
             self._extra[k][1](v)
+        if self._committed_buffers is not None:
+            self._keep_committed_buffers()
 
     def handover(self, root: int, attempt: int = 0, *, receive: bool = False) -> None:
         """Hand the committed state to ranks that take dead ranks' places (spares), from comm rank `root`.
@@ -344,20 +354,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             lambda: self.get_state(buffers=self._committed_buffers) + attempt.to_bytes(8, "little"), root=root)
         if receive:
             self.set_state(blob[:-8])
-            self._keep_committed_buffers()
             self.comm._next_attempt = int.from_bytes(blob[-8:], "little")
 
     def _keep_committed_buffers(self) -> None:
-        if self.model is not None:
-            self._committed_buffers = {k: b.detach().clone() for k, b in self.model.named_buffers()}
+        named = self.model.named_buffers() if self.model is not None else ()
+        self._committed_buffers = {k: b.detach().clone() for k, b in named}
 
     def broadcast_state(self) -> None:
         """Start every rank from the lowest survivor's state (Horovod's broadcast_parameters, fault-tolerant)."""
         faults.point(self.step_count, "init")
         # Without the extra state: every rank builds it (the sampler) alike, and it may already have been re-planned.
         self.set_state(self.comm.bcast_bytes(lambda: self.get_state(extra=False)))
-        if hasattr(self.comm, "handover"):
-            self._keep_committed_buffers()
 
     def checksum(self) -> int:
         """CRC32 of parameters, buffers, optimizer state and step: equal on consistent replicas."""

@@ -111,7 +111,9 @@ class SpareComm(FaultTolerantComm):
             if committed and what == "step":
                 self.pending_handover = (root, 0)
             else:
+                t0 = MPI.Wtime()
                 self.handover(root, 0 if committed else self._attempt + 1)
+                event.extra["handover_ms"] = (MPI.Wtime() - t0) * 1e3   # the newcomers' start-up included
 
     # -- a spare ------------------------------------------------------------------
     def wait_for_slot(self) -> bool:
