@@ -16,7 +16,7 @@ from ulfmtrain.data.sampler import distributed_sampler
 from ulfmtrain.events import EventLog
 from ulfmtrain.models import DigitsCNNBN
 
-EPOCHS, BATCH = 2, 16
+EPOCHS, BATCH = 6, 16
 torch.set_num_threads(1)
 out = sys.argv[1]
 comm = FaultTolerantComm()
