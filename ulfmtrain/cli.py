@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", default=None, help="kill spec for the faulty run (default: rank 1, mid-epoch, ~60%% in)")
     p.add_argument("--model", default="cnn")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="also run with K hot spares: it ends bit-identical to the failure-free run")
 
     p = sub.add_parser("audit", help="check from a run's logs (train --audit) that every record was seen exactly "
                                      "once per epoch")

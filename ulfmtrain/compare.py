@@ -8,7 +8,6 @@ Outputs in OUT: compare.json, compare.md (the tables), compare_timeline.png
 """
 from __future__ import annotations
 
-import json
 import shlex
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic import write_json
 from .faults import mid_run_kill
 from .job import DEFAULT_BATCH, CheckpointOptions, TrainConfig, TrainJob
 from .lost_time import CompareError, analyze, md_table, tables, text_table
@@ -176,7 +176,7 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
             if r.get("ok") and r.get("strategy") == s and r.get("checkpoint")} for s in strategies}
 
     h1, r1, h2, r2 = tables(report)
-    (out / "compare.json").write_text(json.dumps(report, indent=1))
+    write_json(out / "compare.json", report)
     md = [f"Job: {desc}.", "", md_table(h1, r1), "", "Lost time per failure:", "", md_table(h2, r2), ""]
     (out / "compare.md").write_text("\n".join(md))
     pngs = [plots.plot_timeline(report, out / "compare_timeline.png"),

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import write_json
 from .events import Event, loss_curve, read_rank_logs, select
 from .faults import mid_run_kill
 from .job import DEFAULT_BATCH, TrainConfig, TrainJob
@@ -24,21 +25,23 @@ class DemoOptions:
     kill: str | None = None      # default: rank 1, mid-epoch, about 60 % in
     model: str = "cnn"
     timeout: float = 600.0
+    spares: int = 0              # > 0: a third run with hot spares, to end where the failure-free run ends
 
 
-RECOVERY_PARTS = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "redo_ms", "reload_ms")
+RECOVERY_PARTS = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "redo_ms", "reload_ms",
+                  "handover_ms")
 
 
-def _run(label: str, out: Path, data: Path, args: DemoOptions, kills: list[str]) -> dict:
+def _run(label: str, out: Path, data: Path, args: DemoOptions, kills: list[str], spares: int = 0) -> dict:
     import subprocess
 
     run_dir = out / label
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = TrainJob(data=data, out=run_dir, model=args.model, kill_specs=kills,
+    argv = TrainJob(data=data, out=run_dir, model=args.model, kill_specs=kills, spares=spares,
                     config=TrainConfig(epochs=args.epochs)).to_argv()
     print(f"== {label}: {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
-    subprocess.run(mpirun_command(args.ranks, argv), timeout=args.timeout, check=False)
+    subprocess.run(mpirun_command(args.ranks + spares, argv), timeout=args.timeout, check=False)
     wall = time.perf_counter() - t0
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
@@ -52,8 +55,8 @@ def _run(label: str, out: Path, data: Path, args: DemoOptions, kills: list[str])
     return summary
 
 
-def _row(name: str, a: str, b: str) -> str:
-    return f"  {name:<28}{a:>18}{b:>22}"
+def _row(name: str, *cells: str) -> str:
+    return f"  {name:<28}" + "".join(f"{c:>22}" for c in cells)
 
 
 def run_demo(args: DemoOptions) -> int:
@@ -68,34 +71,42 @@ def run_demo(args: DemoOptions) -> int:
         n_train = ds.count
     kill = args.kill or mid_run_kill(n_train, args.ranks, DEFAULT_BATCH, args.epochs)
 
-    clean = _run("failure-free", out, data_dir, args, [])
-    faulty = _run("sigkill", out, data_dir, args, [kill])
+    runs = {"failure-free": _run("failure-free", out, data_dir, args, []),
+            f"SIGKILL {kill}": _run("sigkill", out, data_dir, args, [kill])}
+    if args.spares:
+        runs[f"+{args.spares} spare, SIGKILL"] = _run("spares", out, data_dir, args, [kill], args.spares)
+    clean, faulty = runs["failure-free"], runs[f"SIGKILL {kill}"]
 
-    rec = faulty["recoveries"][0] if faulty["recoveries"] else {}
     print()
     print(f"ulfmtrain demo: {args.ranks} ranks, digits ({n_train} training records), {args.epochs} epochs, "
           f"kill {kill}")
-    print(_row("", "failure-free", f"SIGKILL {kill}"))
-    print(_row("final test accuracy", f"{clean['test_acc']:.4f}", f"{faulty['test_acc']:.4f}"))
-    print(_row("wall time (training)", f"{clean['wall_s']:.2f} s", f"{faulty['wall_s']:.2f} s"))
-    print(_row("steps", str(clean["steps"]), str(faulty["steps"])))
-    print(_row("world sizes", str(clean["world_history"]), str(faulty["world_history"])))
-    print(_row("replicas identical at end", str(clean["consistent"]), str(faulty["consistent"])))
-    if rec:
+    rs = list(runs.values())
+    print(_row("", *runs))
+    print(_row("final test accuracy", *(f"{r['test_acc']:.4f}" for r in rs)))
+    print(_row("wall time (training)", *(f"{r['wall_s']:.2f} s" for r in rs)))
+    print(_row("steps", *(str(r["steps"]) for r in rs)))
+    print(_row("world sizes", *(str(r["world_history"]) for r in rs)))
+    print(_row("replicas identical at end", *(str(r["consistent"]) for r in rs)))
+    print(_row("final checksum", *(f"{r['checksum']:08x}" for r in rs)))
+    recs = [r["recoveries"][0] if r["recoveries"] else {} for r in rs]
+    if any(recs):
         print("  recovery on the lowest survivor:")
         for k in RECOVERY_PARTS:
-            print(_row(f"    {k[:-3]}", "", f"{rec.get(k, 0.0):.3f} ms"))
-        total = sum(rec.get(k, 0.0) for k in RECOVERY_PARTS)
-        print(_row("    total", "", f"{total:.3f} ms"))
-        print(_row("    lost records", "", str(rec.get("lost_records", 0))))
-        print(_row("    bytes reread (partial)", "", f"{rec.get('bytes_read', 0)} B"))
-        print(_row("    a full reload would read", "", f"{rec.get('full_reload_bytes', 0)} B"))
+            print(_row(f"    {k[:-3]}", *(f"{rec[k]:.3f} ms" if k in rec else "" for rec in recs)))
+        print(_row("    total", *(f"{sum(rec.get(k, 0.0) for k in RECOVERY_PARTS):.3f} ms" if rec else ""
+                                  for rec in recs)))
+        for label, key in (("lost records", "lost_records"), ("bytes reread (partial)", "bytes_read"),
+                           ("a full reload would read", "full_reload_bytes")):
+            print(_row(f"    {label}", *(str(rec[key]) if key in rec else "" for rec in recs)))
     gap = (clean["test_acc"] - faulty["test_acc"]) * 100
     print(f"  accuracy gap: {gap:+.2f} points")
+    if args.spares:
+        same = runs[f"+{args.spares} spare, SIGKILL"]["checksum"] == clean["checksum"]
+        print(f"  with a spare the run ends {'bit-identical to' if same else 'DIFFERENT from'} the failure-free run")
 
-    report = {"kill": kill, "ranks": args.ranks, "epochs": args.epochs, "failure_free": clean, "sigkill": faulty,
+    report = {"kill": kill, "ranks": args.ranks, "epochs": args.epochs, "runs": runs,
               "accuracy_gap_points": gap}
-    (out / "demo_report.json").write_text(json.dumps(report, indent=1))
+    write_json(out / "demo_report.json", report)
     png = plot_loss({"SGD (failure-free)": clean["loss_curve"], f"FT-SGD (kill {kill})": faulty["loss_curve"]},
                     out / "demo_loss.png", {"kill": faulty["kill_steps"]},
                     title=f"digits, {args.ranks} ranks: SGD vs FT-SGD")
