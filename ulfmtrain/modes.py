@@ -157,6 +157,11 @@ def run(job: TrainJob) -> int:
             if job.spares:
                 from .spares import SpareComm
                 comm = SpareComm(job.spares)
+                # Imported while waiting, not after a failure: torch.optim's first optimizer imports
+                # torch._dynamo (2 s here).
+                import torch._dynamo  # noqa: F401
+
+                from . import models, trainer  # noqa: F401
                 if comm.is_spare and not comm.wait_for_slot():
                     return finalize(job.finalize_timeout, 0)     # training ended without needing me
             else:
