@@ -20,7 +20,7 @@ import pickle
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -89,6 +89,29 @@ class RecoveryEvent:
 
 
 Listener = Callable[[RecoveryEvent], None]
+
+
+class Comm(Protocol):
+    """What the optimizer, the sampler and the trainer need of a communicator (every class here has it)."""
+
+    world_rank: int
+    alive: list[int]
+    world_history: list[int]
+    events: list[RecoveryEvent]
+    step: int
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    def add_listener(self, fn: Listener) -> None: ...
+    def transaction(self, attempt: Callable[[int], T], commit: Callable[[T], None] | None = None, *,
+                    what: str = "step", before_agree: Callable[[], None] | None = None) -> T: ...
+    def reduce_try(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None: ...
+    def agree(self, flag: int) -> int: ...
+    def bcast_bytes(self, make: Callable[[], bytes], root: int = 0) -> bytes: ...
+    def bcast_obj(self, make: Callable[[], Any]) -> Any: ...
+    def finalize(self, timeout: float = 5.0, exit_code: int = 0) -> int: ...
 
 
 class _CommBase:

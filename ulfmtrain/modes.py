@@ -5,6 +5,7 @@ and the checkpoints carry, and they compare equal to those strings.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 import time
@@ -159,9 +160,8 @@ def run(job: TrainJob) -> int:
                 comm = SpareComm(job.spares)
                 # Imported while waiting, not after a failure: torch.optim's first optimizer imports
                 # torch._dynamo (2 s here).
-                import torch._dynamo  # noqa: F401
-
-                from . import models, trainer  # noqa: F401
+                for module in ("torch._dynamo", "ulfmtrain.models", "ulfmtrain.trainer"):
+                    importlib.import_module(module)
                 if comm.is_spare and not comm.wait_for_slot():
                     return finalize(job.finalize_timeout, 0)     # training ended without needing me
             else:

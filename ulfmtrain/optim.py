@@ -13,7 +13,7 @@ import contextlib
 import io
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from mpi4py import MPI
 
 from . import faults
 from .job import DEFAULT_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from .comm import Comm
 
 # MPI has no bfloat16 and Open MPI's float16 reduction is not portable: half
 # precision travels as float32 (exact for the values, and a sum of N halves is
@@ -143,7 +146,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         broadcast: start every rank from the lowest rank's state (at construction).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, comm: Any, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Comm, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  broadcast: bool = True) -> None:
         # Not Optimizer.__init__: param_groups and state stay the wrapped optimizer's own.
@@ -171,7 +174,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # step's forward left them) to the spares that join.
         self._committed_buffers: dict[str, torch.Tensor] | None = None
         if hasattr(comm, "handover"):
-            comm.handover = self.handover
+            setattr(comm, "handover", self.handover)  # noqa: B010  # a SpareComm's
             self._keep_committed_buffers()
         if broadcast:
             self.broadcast_state()
@@ -304,7 +307,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         or at the next synchronize if the update was skipped (a GradScaler's inf step)."""
         pending = getattr(self.comm, "pending_handover", None)
         if pending is not None:
-            self.comm.pending_handover = None
+            setattr(self.comm, "pending_handover", None)  # noqa: B010  # a SpareComm's
             self.handover(*pending)
 
     # -- the replicated state ----------------------------------------------------
@@ -354,7 +357,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             lambda: self.get_state(buffers=self._committed_buffers) + attempt.to_bytes(8, "little"), root=root)
         if receive:
             self.set_state(blob[:-8])
-            self.comm._next_attempt = int.from_bytes(blob[-8:], "little")
+            setattr(self.comm, "_next_attempt", int.from_bytes(blob[-8:], "little"))  # noqa: B010
 
     def _keep_committed_buffers(self) -> None:
         named = self.model.named_buffers() if self.model is not None else ()
@@ -389,7 +392,7 @@ def _walk_tensors(obj: Any) -> Iterable[torch.Tensor]:
 class FTSGD(DistributedOptimizer):
     """SGD with momentum and weight decay whose gradients survive rank failures."""
 
-    def __init__(self, params: Iterable[torch.Tensor], comm: Any, lr: float, momentum: float = 0.0,
+    def __init__(self, params: Iterable[torch.Tensor], comm: Comm, lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  broadcast: bool = True) -> None:

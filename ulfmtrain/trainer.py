@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from .extras import require
 from .faults import Kill
 from .job import TrainConfig
 from .optim import FTSGD, DistributedOptimizer
+
+if TYPE_CHECKING:
+    from .comm import Comm
 
 
 def _int32(x: int) -> int:
@@ -47,7 +50,7 @@ class Trainer:
             trainer is the checkpointer's checkpoint.TrainingState.
     """
 
-    def __init__(self, model: torch.nn.Module, comm: Any, train_path: str | Path,
+    def __init__(self, model: torch.nn.Module, comm: Comm, train_path: str | Path,
                  test_path: str | Path | None = None, config: TrainConfig | None = None,
                  kills: Iterable[Kill] = (), out_dir: str | Path | None = None,
                  optimizer: DistributedOptimizer | None = None, checkpointer: Checkpointer | None = None) -> None:

@@ -12,12 +12,16 @@ no padding: a short queue gives a short or empty batch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..modes import DataPolicy, parse
 from .plan import Ranges, initial_holdings, merge_ranges, plan_recovery
+
+if TYPE_CHECKING:
+    from ..comm import Comm
+    from ..optim import DistributedOptimizer
 
 
 def ids_of(ranges: Iterable[tuple[int, int]]) -> np.ndarray:
@@ -146,7 +150,7 @@ class EpochSampler:
         self.dropped = {int(e): int(n) for e, n in state["dropped"].items()}
 
 
-def distributed_sampler(comm: Any, opt: Any, count: int, batch: int, *, seed: int = 0,
+def distributed_sampler(comm: Comm, opt: DistributedOptimizer, count: int, batch: int, *, seed: int = 0,
                         policy: str = "exactly-once") -> EpochSampler:
     """An EpochSampler for a loop of your own over records 0..count-1 held in memory on every rank.
 
