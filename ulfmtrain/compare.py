@@ -81,7 +81,7 @@ def run_one(label: str, mode: str, strategy: str | None, a: CompareOptions, data
     run_dir = Path(a.out) / label
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = _job(a, data, run_dir, kills, mode, strategy).to_argv()
-    if mode == "restart":
+    if mode == Recovery.RESTART:
         shown = ["supervise", "-n", str(a.ranks), "--max-attempts", str(a.max_attempts), "--", *argv]
         safe = ["-P"] if getattr(sys.flags, "safe_path", False) else []   # started like this process
         cmd = [sys.executable, *safe, "-m", "ulfmtrain", *shown]
@@ -136,7 +136,7 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
     if bad or not modes:
         raise CompareError(f"unknown mode or strategy {bad[0] if bad else '(none)'}: "
                            "use --modes shrink,restart,reinit and --strategies blocking,overlapped")
-    if ({"restart", "reinit"} & set(modes)) and (not strategies or a.ckpt_every < 0):
+    if ({Recovery.RESTART, Recovery.REINIT} & set(modes)) and (not strategies or a.ckpt_every < 0):
         raise CompareError("restart and reinit need a checkpoint strategy and --ckpt-every K >= 0")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,10 +152,10 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
         "runs": {}}
     plan: list[tuple[str, str, str | None, list[str]]] = []
     if not a.no_reference:
-        plan.append(("failure-free", "shrink", None, []))
+        plan.append(("failure-free", Recovery.SHRINK, None, []))
     for m in modes:
-        if m == "shrink":
-            plan.append(("shrink", "shrink", None, kills))
+        if m == Recovery.SHRINK:
+            plan.append((Recovery.SHRINK, Recovery.SHRINK, None, kills))
         else:
             plan += [(f"{m}-{s}", m, s, kills) for s in strategies]
     t_start = time.time()

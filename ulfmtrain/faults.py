@@ -32,11 +32,11 @@ class Kill:
 
     rank: int
     step: int
-    phase: str = "forward"
+    phase: str = Phase.FORWARD
     fraction: float = DEFAULT_BACKWARD_FRACTION
 
     def __str__(self) -> str:
-        tail = f"={self.fraction:g}" if self.phase == "backward" else ""
+        tail = f"={self.fraction:g}" if self.phase == Phase.BACKWARD else ""
         return f"{self.rank}@{self.step}:{self.phase}{tail}"
 
 
@@ -45,10 +45,10 @@ def parse_kill(spec: str) -> Kill:
     m = _SPEC.match(spec.strip())
     if not m:
         raise KillSpecError(f"bad kill spec {spec!r}: {_HELP}")
-    rank, step, phase, frac = int(m[1]), int(m[2]), m[3] or "forward", m[4]
+    rank, step, phase, frac = int(m[1]), int(m[2]), m[3] or Phase.FORWARD, m[4]
     if phase not in PHASES:
         raise KillSpecError(f"bad kill spec {spec!r}: unknown phase {phase!r}; {_HELP}")
-    if frac is not None and phase != "backward":
+    if frac is not None and phase != Phase.BACKWARD:
         raise KillSpecError(f"bad kill spec {spec!r}: only the backward phase takes =FRACTION; {_HELP}")
     fraction = DEFAULT_BACKWARD_FRACTION
     if frac is not None:
@@ -114,7 +114,7 @@ class FaultInjector:
 
     def watch_backward(self, params: list, step: int) -> list:
         """Hook the gradients so the rank dies once `fraction` of them are ready."""
-        kill = self._mine.get((step, "backward")) if self._mine else None
+        kill = self._mine.get((step, Phase.BACKWARD)) if self._mine else None
         if kill is None:
             return []
         target = max(1, math.ceil(kill.fraction * len(params)))

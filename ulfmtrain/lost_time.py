@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import read_rank_logs, select
+from .modes import Recovery
 
 COMPONENTS = ("detection", "mpi_recovery", "relaunch_init", "checkpoint_load", "data_reload", "replay")
 COMPONENT_LABELS = {"detection": "detection", "mpi_recovery": "MPI recovery", "relaunch_init": "relaunch/init",
@@ -163,7 +164,7 @@ def _checkpoint_stats(logs_list: Sequence[dict[int, list[dict]]]) -> dict[str, A
 def analyze(run_dir: Path, mode: str, times: dict[str, float]) -> dict[str, Any]:
     """Measure one finished run from what its ranks and supervisor wrote."""
 
-    if mode == "restart":
+    if mode == Recovery.RESTART:
         sup_path = run_dir / "supervisor.json"
         if not sup_path.exists():
             raise CompareError(f"the supervisor wrote no {sup_path}: see {run_dir / 'console.log'}")
@@ -174,7 +175,7 @@ def analyze(run_dir: Path, mode: str, times: dict[str, float]) -> dict[str, Any]
         extra = {"attempts": len(attempts)}
     else:
         logs_list = [read_rank_logs(run_dir)]
-        failures = _reinit_failures(logs_list[0]) if mode == "reinit" else _shrink_failures(logs_list[0])
+        failures = _reinit_failures(logs_list[0]) if mode == Recovery.REINIT else _shrink_failures(logs_list[0])
         extra = {}
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():

@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from . import faults
 from .job import DEFAULT_BUCKET_BYTES
+from .modes import Phase
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -248,7 +249,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             b.prepare(weight)
         self.comm.step = self.step_count
         self.comm.transaction(self._reduce, self._commit, what="step",
-                              before_agree=lambda: faults.point(self.step_count, "commit"))
+                              before_agree=lambda: faults.point(self.step_count, Phase.COMMIT))
         self._synchronized = True
 
     def _reduce(self, attempt: int) -> None:
@@ -262,7 +263,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         kill_at = max(1, len(pairs) // 2)     # inside the reduction, even with one gradient bucket
         for i, (send, recv) in enumerate(pairs):
             if i == kill_at:
-                faults.point(self.step_count, "allreduce")
+                faults.point(self.step_count, Phase.ALLREDUCE)
             self.comm.reduce_try(send, recv, MPI.SUM)
 
     def _commit(self, _: None) -> None:
@@ -297,7 +298,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not (self._skip_sync and self._synchronized):
             self.synchronize(samples)
         self._synchronized = False
-        faults.point(self.step_count - 1, "update")
+        faults.point(self.step_count - 1, Phase.UPDATE)
         self.optimizer.step()
         self._pending_handover()
         return loss

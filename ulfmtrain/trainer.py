@@ -23,6 +23,7 @@ from .events import EventLog
 from .extras import require
 from .faults import Kill
 from .job import TrainConfig
+from .modes import DataPolicy, Phase
 from .optim import FTSGD, DistributedOptimizer
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class Trainer:
     def _compute(self) -> tuple[float, int]:
         """Forward and backward on my next batch; return the loss and the samples used."""
         step = self.opt.step_count
-        faults.point(step, "forward")
+        faults.point(step, Phase.FORWARD)
         x, y = self._batch()
         self.opt.zero_grad()
         if len(y) == 0:          # my queue ran dry this epoch: I contribute nothing (weight 0)
@@ -196,7 +197,7 @@ class Trainer:
     def _end_epoch(self) -> None:
         rec: dict[str, Any] = {"epoch": self.sampler.epoch, "step": self.opt.step_count,
                                "checksum": self.opt.checksum()}
-        if self.cfg.data_policy == "lossy":
+        if self.cfg.data_policy == DataPolicy.LOSSY:
             rec["dropped"] = self.sampler.dropped.get(self.sampler.epoch, 0)
         if self.comm.rank == 0:
             rec["test_acc"] = self.evaluate()

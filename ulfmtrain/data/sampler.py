@@ -52,7 +52,7 @@ class EpochSampler:
     """
 
     def __init__(self, holdings: Mapping[int, Ranges], batch: int, seed: int,
-                 policy: str = "exactly-once") -> None:
+                 policy: str = DataPolicy.EXACTLY_ONCE) -> None:
         if batch < 1:
             raise ValueError(f"the batch must be at least 1 record per rank, got {batch}")
         self.batch, self.seed = batch, seed
@@ -112,7 +112,7 @@ class EpochSampler:
             if d not in self.queues:
                 continue
             remaining = self.queues.pop(d)[self.cursors.pop(d):]
-            if self.policy == "lossy":
+            if self.policy == DataPolicy.LOSSY:
                 self.dropped[self.epoch] = self.dropped.get(self.epoch, 0) + len(remaining)
                 continue
             placed = np.zeros(len(remaining), dtype=bool)
@@ -151,7 +151,7 @@ class EpochSampler:
 
 
 def distributed_sampler(comm: Comm, opt: DistributedOptimizer, count: int, batch: int, *, seed: int = 0,
-                        policy: str = "exactly-once") -> EpochSampler:
+                        policy: str = DataPolicy.EXACTLY_ONCE) -> EpochSampler:
     """An EpochSampler for a loop of your own over records 0..count-1 held in memory on every rank.
 
     It advances when a step of `opt` (a DistributedOptimizer) commits, hands a

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ..modes import Reload
 from .format import BLOCK_BYTES, DatasetFile
 from .plan import Ranges, RecoveryPlan, checked_ranges, merge_ranges, ranges_len
 
@@ -90,7 +91,7 @@ class LocalShard:
         reads = checked_ranges(plan.reads[rank])
         t0 = time.perf_counter()
         before = self.dataset.bytes_read
-        if plan.mode == "full":
+        if plan.mode == Reload.FULL:
             if merge_ranges(reads) != target or ranges_len(reads) != ranges_len(target):
                 raise ValueError(f"plan reads for rank {rank} do not equal its new holdings")
             # Release the old copy first so peak memory is one shard, not two.
@@ -98,7 +99,7 @@ class LocalShard:
             self._segments = [self._load(reads)]
             self._starts = np.zeros(1, dtype=np.int64)
             self.order = list(reads)
-        elif plan.mode == "partial":
+        elif plan.mode == Reload.PARTIAL:
             if merge_ranges(self.holdings + reads) != target or ranges_len(self.holdings) + ranges_len(
                 reads
             ) != ranges_len(target):
