@@ -2,6 +2,8 @@
 failure-free run ends (same seed, same slots, same reduction order)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ulfmtrain.audit import audit_logs
@@ -52,3 +54,17 @@ def test_more_failures_than_spares_falls_back_to_shrink(mpi, digits_dir, tmp_pat
     assert end["world_history"] == [SLOTS, SLOTS, SLOTS - 1]
     first, second = select(logs[0], "recovery")      # slot 0 survives both
     assert list(first["replaced"]) == ["1"] and second["removed"] == [2] and second["replaced"] == {}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kill", [[], ["1@50"]])
+def test_a_spare_that_dies_while_waiting(mpi, tmp_path, kill):
+    """The dead spare is noticed at the release (or at the next failure, which then shrinks): training ends."""
+    mpi.script(4, mpi.root / "tests" / "scripts" / "spare_loop.py", [str(tmp_path), *kill], timeout=100)
+    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(got) == ([0, 2] if kill else [0, 1, 2]), got
+    assert len({g["checksum"] for g in got.values()}) == 1 and len({g["steps"] for g in got.values()}) == 1
+    for g in got.values():
+        assert g["spares_left"] == 0
+        if kill:
+            assert g["removed"] == [[1]], g             # no spare left: slot 1 is removed, as in shrink
