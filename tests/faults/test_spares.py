@@ -57,14 +57,18 @@ def test_more_failures_than_spares_falls_back_to_shrink(mpi, digits_dir, tmp_pat
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kill", [[], ["1@50"]])
-def test_a_spare_that_dies_while_waiting(mpi, tmp_path, kill):
-    """The dead spare is noticed at the release (or at the next failure, which then shrinks): training ends."""
-    mpi.script(4, mpi.root / "tests" / "scripts" / "spare_loop.py", [str(tmp_path), *kill], timeout=100)
+@pytest.mark.parametrize("mode, kill", [("dies", []), ("dies", ["1@50"]), ("takes-over", ["1@30"])])
+def test_spares_in_a_loop_of_your_own(mpi, tmp_path, mode, kill):
+    """A spare that dies while it waits is noticed at the release (or at the next failure, which then
+    shrinks); a spare that takes a slot in a user's loop ends with the same replica."""
+    mpi.script(4, mpi.root / "tests" / "scripts" / "spare_loop.py", [str(tmp_path), mode, *kill], timeout=100)
     got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
-    assert sorted(got) == ([0, 2] if kill else [0, 1, 2]), got
-    assert len({g["checksum"] for g in got.values()}) == 1 and len({g["steps"] for g in got.values()}) == 1
+    shrunk = mode == "dies" and kill
+    assert sorted(got) == ([0, 2] if shrunk else [0, 1, 2]), got
+    assert len({g["checksum"] for g in got.values()}) == 1 and len({g["steps"] for g in got.values()}) == 1, got
+    assert got[0]["steps"] > 75 if shrunk else got[0]["steps"] == 75    # 3 slots: 75 steps; 2 take more
     for g in got.values():
         assert g["spares_left"] == 0
-        if kill:
-            assert g["removed"] == [[1]], g             # no spare left: slot 1 is removed, as in shrink
+        if not g["joined"]:         # the survivors' repairs: slot 1 removed (no spare left) or taken over
+            assert g["removed"] == ([[1]] if shrunk else [[]] if kill else []), g
+    assert (1 in got and got[1]["joined"]) == (mode == "takes-over")

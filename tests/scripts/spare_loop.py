@@ -1,7 +1,8 @@
 """A user's own loop with a hot spare (3 slots + 1 spare), under mpirun --with-ft ulfm on 4 ranks.
 
-The spare SIGKILLs itself while it waits (a timer thread).  argv: OUT [KILL]
-(KILL: a kill spec for a training rank, e.g. 1@50; 75 steps in all).  Each training rank that
+argv: OUT MODE [KILL].  MODE "dies": the spare SIGKILLs itself while it waits
+(a timer thread); "takes-over": it takes the slot of the rank KILL kills.
+KILL: a kill spec for a training rank, e.g. 1@50 (75 steps in all).  Each training rank that
 ends writes OUT/rank<slot>.json: checksum, world history, recoveries, steps.
 """
 import json
@@ -16,21 +17,28 @@ import torch
 from ulfmtrain import DistributedOptimizer, distributed_sampler, faults
 from ulfmtrain.spares import SpareComm
 
-out = sys.argv[1]
+out, mode = sys.argv[1], sys.argv[2]
 comm = SpareComm(1)
+joined = False
 if comm.is_spare:
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    comm.wait_for_slot()
-    raise SystemExit("the spare should have died while waiting")
-faults.arm(faults.parse_kills(sys.argv[2:]), comm.world_rank)
+    if mode == "dies":
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    if not comm.wait_for_slot():
+        raise SystemExit(0)
+    joined = True
+kills = [k for k in faults.parse_kills(sys.argv[3:]) if not (joined and k.rank == comm.world_rank)]
+faults.arm(kills, comm.world_rank)
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
 x, y = torch.randn(1200, 8, generator=g), torch.randint(0, 4, (1200,), generator=g)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm, model=model, bucket_bytes=256)
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm, model=model, bucket_bytes=256,
+                           broadcast=not joined)
 sampler = distributed_sampler(comm, opt, len(y), 16, seed=3)
-for epoch in range(3):
-    if epoch:
+if joined:          # the survivors' committed state: model, optimizer, step, sampler
+    opt.handover(comm.takeover["root"], receive=True)
+for epoch in range(sampler.epoch, 3):
+    if epoch != sampler.epoch:
         sampler.start_epoch(epoch)
     while not sampler.epoch_done():
         ids = torch.from_numpy(sampler.batch_ids(comm.world_rank))
@@ -43,5 +51,5 @@ for epoch in range(3):
 comm.release_spares()
 with open(os.path.join(out, f"rank{comm.world_rank}.json"), "w") as f:
     json.dump({"checksum": opt.checksum(), "history": comm.world_history, "steps": opt.step_count,
-               "removed": [e.removed for e in comm.events], "spares_left": comm.spares_left}, f)
+               "removed": [e.removed for e in comm.events], "spares_left": comm.spares_left, "joined": joined}, f)
 comm.finalize()
