@@ -61,15 +61,15 @@ def parse_kill(spec: str) -> Kill:
     return Kill(rank, step, phase, fraction)
 
 
-def parse_kills(specs: Iterable[str], world_size: int | None = None) -> list[Kill]:
-    """Parse and check a whole schedule against the world size."""
+def parse_kills(specs: Iterable[str], world_size: int | None = None, spares: int = 0) -> list[Kill]:
+    """Parse and check a whole schedule against the world size (spares can fill as many dead slots)."""
     kills = [parse_kill(s) for s in specs]
     if world_size is not None:
         for k in kills:
             if k.rank >= world_size:
                 raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of "
                                     f"{world_size} ranks; use RANK@STEP with RANK from 0 to {world_size - 1}")
-        if len({k.rank for k in kills}) >= world_size:
+        if len({k.rank for k in kills}) >= world_size + spares:
             raise KillSpecError(f"the kill schedule kills all {world_size} ranks: "
                                 "drop one RANK@STEP so a survivor is left")
     ranks = [k.rank for k in kills]

@@ -166,7 +166,7 @@ def run(job: TrainJob) -> int:
                     return finalize(job.finalize_timeout, 0)     # training ended without needing me
             else:
                 comm = job.recovery.make_comm()
-            kills = parse_kills(job.kill_specs, comm.size)
+            kills = parse_kills(job.kill_specs, comm.size, job.spares)
             if getattr(comm, "takeover", None) is not None:   # the dead rank's kill fired: not again in its slot
                 kills = [k for k in kills if k.rank != comm.world_rank]
             job.validate()

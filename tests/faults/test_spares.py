@@ -49,6 +49,15 @@ def test_a_spare_takes_the_slot_and_the_run_ends_bit_identical(mpi, digits_dir, 
 
 
 @pytest.mark.timeout(2 * BOUND_S)
+def test_every_slot_replaced_in_turn_ends_bit_identical(mpi, digits_dir, tmp_path, failure_free):
+    """Three spares take all three slots, one after another: the world is restored after each failure."""
+    end, logs = train(mpi, digits_dir, tmp_path, 3, "0@10", "1@25:allreduce", "2@40:commit")
+    assert end["world_history"] == [SLOTS] * 4
+    assert [list(r["replaced"]) for r in select(logs[2], "recovery")][:2] == [["0"], ["1"]]
+    assert end["checksum"] == failure_free["checksum"]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
 def test_more_failures_than_spares_falls_back_to_shrink(mpi, digits_dir, tmp_path):
     end, logs = train(mpi, digits_dir, tmp_path, 1, "1@15", "2@40", slots=SLOTS - 1)
     assert end["world_history"] == [SLOTS, SLOTS, SLOTS - 1]

@@ -75,3 +75,9 @@ def test_backward_hook_fires_at_fraction(monkeypatch):
     assert len(hooks) == 4 and inj.watch_backward(params, 4) == []
     model(torch.ones(1, 4)).sum().backward()
     assert fired and fired[0] == 2   # fired when the 2nd of 4 gradients was ready
+
+
+def test_spares_can_fill_every_slot():
+    assert [k.rank for k in parse_kills(["0@1", "1@2"], 2, spares=1)] == [0, 1]
+    with pytest.raises(KillSpecError, match="kills all 2 ranks"):
+        parse_kills(["0@1", "1@2"], 2, spares=0)
