@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint strategies to run restart and reinit with: blocking,overlapped")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free reference run")
     p.add_argument("--max-attempts", type=int, default=4, help="supervisor attempt limit of the restart runs")
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="also a shrink run with K hot spares (its final checksum is compared with the "
+                        "failure-free one)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
 
     p = sub.add_parser("data", help="create or check a ulfmds dataset")

@@ -47,16 +47,18 @@ class CompareOptions:
     no_reference: bool = False
     max_attempts: int = 4
     timeout: float = 600.0
+    spares: int = 0                    # > 0: a shrink run with this many hot spares too
 
 
 # --------------------------------------------------------------------------- running
 
 
 def _job(a: CompareOptions, data: Path, out: Path, kills: Sequence[str], mode: str,
-         strategy: str | None) -> TrainJob:
+         strategy: str | None, spares: int = 0) -> TrainJob:
     ckpt = (CheckpointOptions(out / "ckpt", a.ckpt_every, strategy=CheckpointStrategy(strategy)) if strategy
             else CheckpointOptions())
     return TrainJob(data=data, model=a.model or "cnn", out=out, kill_specs=list(kills), recovery=Recovery(mode),
+                    spares=spares,
                     config=TrainConfig(epochs=a.epochs, batch=a.batch, seed=a.seed, progress=False), checkpoint=ckpt)
 
 
@@ -74,20 +76,20 @@ def _run(label: str, cmd: list[str], shown: list[str], run_dir: Path, timeout: f
 
 
 def run_one(label: str, mode: str, strategy: str | None, a: CompareOptions, data: Path,
-            kills: Sequence[str]) -> dict[str, Any]:
+            kills: Sequence[str], spares: int = 0) -> dict[str, Any]:
     """Run the job in one mode and return its measurements."""
     from .launch import mpirun_command
 
     run_dir = Path(a.out) / label
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = _job(a, data, run_dir, kills, mode, strategy).to_argv()
+    argv = _job(a, data, run_dir, kills, mode, strategy, spares).to_argv()
     if mode == Recovery.RESTART:
         shown = ["supervise", "-n", str(a.ranks), "--max-attempts", str(a.max_attempts), "--", *argv]
         safe = ["-P"] if getattr(sys.flags, "safe_path", False) else []   # started like this process
         cmd = [sys.executable, *safe, "-m", "ulfmtrain", *shown]
     else:
         shown = ["launch", "-n", str(a.ranks), "--", *argv]
-        cmd = mpirun_command(a.ranks, argv)
+        cmd = mpirun_command(a.ranks + spares, argv)
     times = _run(label, cmd, shown, run_dir, a.timeout)
     try:
         res = analyze(run_dir, mode, times)
@@ -156,11 +158,14 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
     for m in modes:
         if m == Recovery.SHRINK:
             plan.append((Recovery.SHRINK, Recovery.SHRINK, None, kills))
+            if a.spares:
+                plan.append((f"spares-{a.spares}", Recovery.SHRINK, None, kills))
         else:
             plan += [(f"{m}-{s}", m, s, kills) for s in strategies]
     t_start = time.time()
     for label, mode, strategy, k in plan:
-        report["runs"][label] = run_one(label, mode, strategy, a, data, k)
+        report["runs"][label] = run_one(label, mode, strategy, a, data, k,
+                                        a.spares if label.startswith("spares") else 0)
     report["elapsed_s"] = time.time() - t_start
     base = report["runs"].get("shrink", {})
     report["lost_ratio"] = {
@@ -171,6 +176,7 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
     for r in report["runs"].values():
         if r.get("ok") and ref.get("ok"):
             r["extra_time_vs_failure_free_s"] = r["time_to_target_s"] - ref["time_to_target_s"]
+            r["checksum_equals_failure_free"] = r["checksum"] == ref["checksum"]
     report["checkpoint_stall_ms"] = {
         s: {label: r["checkpoint"]["stall_ms"] for label, r in report["runs"].items()
             if r.get("ok") and r.get("strategy") == s and r.get("checkpoint")} for s in strategies}

@@ -87,6 +87,8 @@ def _shrink_failures(logs: dict[int, list[dict]]) -> list[dict]:
             "detection": min(e["wall_error"] for e in evs) - k["t"],
             "mpi_recovery": max(e["commit_agree_ms"] + e["revoke_ms"] + e["shrink_ms"] + e["agree_ms"]
                                 for e in evs) / 1e3,
+            # With spares: the newcomer builds its trainer, reads its shard and receives the state.
+            "relaunch_init": max(e.get("handover_ms", 0.0) for e in evs) / 1e3,
             "data_reload": max(e.get("reload_ms", 0.0) for e in evs) / 1e3,
             "replay": max(e["redo_ms"] for e in evs) / 1e3},
             steps_replayed=0, bytes_reread=sum(e.get("bytes_read", 0) for e in evs)))
@@ -223,7 +225,7 @@ def fmt_s(x: float | None) -> str:
 def tables(report: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
     """The summary and lost-time tables as (header, rows) pairs."""
     h1 = ["run", "wall", "to target", "lost/failure", "vs shrink", "replayed", "re-read", "ckpt stall",
-          "ckpt write", "goodput (samples/s)", "test acc"]
+          "ckpt write", "goodput (samples/s)", "test acc", "= failure-free"]
     h2 = ["run"] + [COMPONENT_LABELS[c] for c in COMPONENTS] + ["total"]
     r1, r2 = [], []
     for label, r in report["runs"].items():
@@ -238,7 +240,8 @@ def tables(report: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str
                    f"{r['bytes_reread'] / 2**20:.2f} MiB" if r["failures"] else "-",
                    f"{ck['stall_ms']:.2f} ms" if ck else "-",
                    f"{ck['write_ms']:.2f} ms" if ck and ck.get("write_ms") is not None else "-",
-                   f"{r['goodput_samples_per_s']:.0f}", f"{r['test_acc']:.4f}" if r["test_acc"] is not None else "-"])
+                   f"{r['goodput_samples_per_s']:.0f}", f"{r['test_acc']:.4f}" if r["test_acc"] is not None else "-",
+                   {True: "bit-identical", False: "differs"}.get(r.get("checksum_equals_failure_free"), "-")])
         if r["failures"]:
             b = r["lost_breakdown_s"]
             r2.append([label] + [fmt_s(b[c]) for c in COMPONENTS] + [fmt_s(r["lost_per_failure_s"])])
