@@ -182,11 +182,12 @@ def test_corrupt_latest_checkpoint_is_reported_and_skipped(mpi, digits_dir: Path
 def test_compare_reports_every_field(digits_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-P", "-m", "ulfmtrain", "compare", "--out", str(out), "--data", str(digits_dir),
-           "--model", "mlp", "--epochs", "2", "--ckpt-every", "10", "--strategies", "overlapped", "--no-reference"]
+           "--model", "mlp", "--epochs", "2", "--ckpt-every", "10", "--strategies", "overlapped", "--no-reference",
+           "--spares", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * RUN_S)
     assert proc.returncode == 0, diag(proc)
     report = json.loads((out / "compare.json").read_text())
-    assert set(report["runs"]) == {"shrink", "restart-overlapped", "reinit-overlapped"}
+    assert set(report["runs"]) == {"shrink", "spares-1", "restart-overlapped", "reinit-overlapped"}
     for label, r in report["runs"].items():
         assert r["ok"], (label, r)
         for key in ("wall_s", "time_to_target_s", "lost_per_failure_s", "lost_breakdown_s", "steps_replayed",
@@ -201,6 +202,8 @@ def test_compare_reports_every_field(digits_dir: Path, tmp_path: Path) -> None:
         assert r["checkpoint"]["stall_ms"] > 0 and r["checkpoint"]["write_ms"] > 0
         assert report["lost_ratio"][label] > 1
     assert report["runs"]["shrink"]["checkpoint"] is None
+    spare = report["runs"]["spares-1"]     # the world kept its size; the hand-over is its relaunch/init
+    assert spare["world_history"] == [RANKS, RANKS] and spare["lost_breakdown_s"]["relaunch_init"] > 0
     for png in ("compare_timeline.png", "compare_lost_time.png"):
         assert (out / png).stat().st_size > 10_000
     assert "lost time per failure" in proc.stdout
