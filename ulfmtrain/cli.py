@@ -81,7 +81,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if args.spares < 0 or argv[0] != "train":
             raise UsageError("--spares K needs K >= 0 and a train command: `launch -n N --spares K -- train ...`")
         argv += ["--spares", str(args.spares)]
-    return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg)
+    try:
+        return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg,
+                      rsh=args.agent, net=args.net)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -132,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="start K more ranks as hot spares for the train command")
     p.add_argument("--hostfile", default=None, help="hosts for a multi-node run (adds --mca coll ^han)")
+    p.add_argument("--agent", default=None, metavar="RSH",
+                   help="no daemon on the hosts: start each rank through RSH (e.g. 'ssh -o ServerAliveInterval=1 "
+                        "-o ServerAliveCountMax=3'), so a whole host can die; needs --hostfile and --net")
+    p.add_argument("--net", default=None, metavar="CIDR", help="with --agent: the cluster network, e.g. 10.0.0.0/24")
     p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ...")
 

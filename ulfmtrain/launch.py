@@ -1,10 +1,14 @@
 """Start mpirun with the flags fault tolerance needs on this machine."""
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,8 +53,55 @@ def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
             sys.executable, "-P", "-m", "ulfmtrain", *argv]
 
 
+def rank_hosts(hostfile: str, n: int) -> list[str]:
+    """The host of each rank: the hostfile's hosts filled slot by slot, in order (`HOST slots=K` lines)."""
+    hosts: list[str] = []
+    for line in Path(hostfile).read_text().splitlines():
+        words = line.split("#")[0].split()
+        if words:
+            slots = next((int(w.split("=", 1)[1]) for w in words[1:] if w.startswith("slots=")), 1)
+            hosts += [words[0]] * slots
+    if len(hosts) < n:
+        raise ValueError(f"hostfile {hostfile} has {len(hosts)} slots for {n} ranks: add hosts or slots=K")
+    return hosts[:n]
+
+
+def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str,
+                 mpirun_args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """mpirun with its only daemon here, every rank started on its host by the exec agent; and its environment.
+
+    The PMIx server listens on the cluster network NET (a CIDR); shared memory
+    stays off (Open MPI believes every rank is local), and so does han.
+    """
+    plan = {"rsh": shlex.split(rsh), "hosts": rank_hosts(hostfile, n)}
+    cmd = [find_mpirun(), "--with-ft", "ulfm", "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
+           "--bind-to", "none", "--prtemca", "odls_base_exec_agent", agent,
+           "--prtemca", "pmix_remote_connections", "1", "--pmixmca", "ptl_tcp_if_include", net,
+           "--pmixmca", "gds", "hash", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,
+           "--prtemca", "oob_tcp_if_include", net, "--mca", "coll", "^han", "-x", "ULFMTRAIN_AGENT_PLAN"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd + list(mpirun_args), {"ULFMTRAIN_AGENT_PLAN": json.dumps(plan)}
+
+
 def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
-           mpirun_args: Sequence[str] = (), timeout: float | None = None) -> int:
-    """Run the job and return mpirun's exit code (judge success by what the ranks wrote)."""
-    cmd = mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args)
-    return subprocess.run(cmd, timeout=timeout).returncode
+           mpirun_args: Sequence[str] = (), timeout: float | None = None,
+           rsh: str | None = None, net: str | None = None) -> int:
+    """Run the job and return mpirun's exit code (judge success by what the ranks wrote).
+
+    With rsh (and a hostfile and net): no daemon on the compute hosts, so the
+    loss of a whole host is survived (see ulfmtrain/agent.py).
+    """
+    if rsh is None:
+        return subprocess.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args),
+                              timeout=timeout).returncode
+    if not (hostfile and net):
+        raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
+    with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
+        # PRRTE execs the agent by path: a one-line wrapper around this Python.
+        agent = Path(tmp) / "agent"
+        agent.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -P -m ulfmtrain.agent "$@"\n')
+        agent.chmod(0o755)
+        cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args)
+        cmd += [sys.executable, "-P", "-m", "ulfmtrain", *argv]
+        return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode

@@ -89,3 +89,49 @@ def test_losing_every_rank_of_a_host(two_hosts, digits_dir, tmp_path):
         assert len(rec) == 1 and rec[0]["removed"] == [2, 3]
     assert ends[0][0]["checksum"] == ends[1][0]["checksum"]
     assert json.loads((out / "summary.json").read_text())["test_acc"] > 0.8
+
+
+def test_agent_launch_survives_a_whole_host_killed(two_hosts, digits_dir, tmp_path):
+    """No daemon on host b (launch --agent): every process of host b is SIGKILLed, as a power cut would;
+    host a's ranks train on with identical replicas and every record seen once per epoch."""
+    import time
+
+    from ulfmtrain.audit import audit_logs
+
+    hosts, agent, hostfile = two_hosts
+    a, b = list(hosts)
+    out = tmp_path / "out"
+    launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", "4", "--hostfile", str(hostfile),
+              "--agent", str(agent), "--net", f"{SUBNET}.0/24", "--",
+              "train", "--data", str(digits_dir), "--out", str(out), "--epochs", "8", "--model", "mlp",
+              "--no-progress", "--audit"]
+    inner = " ".join(f"'{x}'" for x in launch)
+    proc = subprocess.Popen(["ip", "netns", "exec", hosts[a], "unshare", "--uts", "sh", "-c",
+                             f"hostname {a}; exec {inner}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0, killed = time.monotonic(), []
+    while time.monotonic() - t0 < 100 and proc.poll() is None and not killed:
+        logs = read_rank_logs(out) if out.exists() else {}
+        if sum(x["event"] == "step" for x in logs.get(0, [])) >= 30:     # mid-training
+            pids = subprocess.run(["ip", "netns", "pids", hosts[b]], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            killed = pids
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=150)
+    diag = stdout[-2000:] + stderr[-3000:]
+    assert killed, "training never reached step 30: " + diag
+    logs = read_rank_logs(out)
+    starts = {r: next(x for x in recs if x["event"] == "start") for r, recs in logs.items()}
+    assert [starts[r]["host"] for r in range(4)] == [a, a, b, b], diag
+    ends = {r: [x for x in recs if x["event"] == "end"] for r, recs in logs.items()}
+    assert sorted(r for r, e in ends.items() if e) == [0, 1], diag
+    for r in (0, 1):
+        end = ends[r][0]
+        assert end["world_history"] == [4, 2] and end["consistent"], end
+    assert ends[0][0]["checksum"] == ends[1][0]["checksum"]
+    rows = audit_logs(logs)
+    assert rows and all(r.exact for r in rows if r.finished), rows
+    rec = [x for x in logs[0] if x["event"] == "recovery"]
+    parts = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "redo_ms")
+    print(f"\nhost {b} killed: " + ", ".join(f"{k[:-3]} {rec[0][k]:.1f} ms" for k in parts)
+          + f", total {sum(rec[0][k] for k in parts):.1f} ms")
