@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-ranks", type=int, default=1, help="with --relaunch fewer: never go below this")
     p.add_argument("--timeout", type=float, default=None, help="seconds one attempt may take before it is killed")
     p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
+    p.add_argument("--hostfile", default=None,
+                   help="run each attempt on the hosts that answer a TCP probe (a dead host is left out)")
+    p.add_argument("--probe-port", type=int, default=22, help="the port the host probe connects to (ssh's)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ... --recovery restart --ckpt-dir DIR ...")
 
     p = sub.add_parser("compare", help="the same job under shrink, restart and reinit: lost time per failure, "
@@ -230,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from . import supervise
             return supervise.main(args.n, _train_job(args.argv), max_attempts=args.max_attempts,
                                   relaunch=args.relaunch, min_ranks=args.min_ranks, timeout=args.timeout,
-                                  mpirun_args=args.mpirun_arg)
+                                  mpirun_args=args.mpirun_arg, hostfile=args.hostfile, probe_port=args.probe_port)
         if args.command == "audit":
             from .audit import main as audit_main
             return audit_main(args.out)

@@ -17,11 +17,13 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .atomic import write_json
@@ -74,9 +76,42 @@ def run_attempt(cmd: list[str], timeout: float | None) -> dict[str, Any]:
             "t_failure_reported": notice[0] if notice else None, "t_exit": t_exit}
 
 
+def host_is_up(host: str, port: int = 22, timeout: float = 1.0) -> bool:
+    """A TCP probe, as `ssh -o ConnectTimeout` would: an answer (even a refusal) means up, silence means down."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except OSError:                   # timed out, unreachable: a host that lost power or its link
+        return False
+
+
+def live_hostfile(hostfile: str, path: Path, port: int, timeout: float) -> tuple[int, list[str]]:
+    """Probe the hostfile's hosts; write the live ones to path; return their slots and the dead hosts."""
+    live, dead, slots = [], [], 0
+    for line in Path(hostfile).read_text().splitlines():
+        words = line.split("#")[0].split()
+        if not words:
+            continue
+        if host_is_up(words[0], port, timeout):
+            live.append(line)
+            slots += next((int(w.split("=", 1)[1]) for w in words[1:] if w.startswith("slots=")), 1)
+        else:
+            dead.append(words[0])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(x + "\n" for x in live))
+    return slots, dead
+
+
 def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "same",
-              min_ranks: int = 1, timeout: float | None = None, mpirun_args: Sequence[str] = ()) -> int:
-    """Run the train job until it completes, relaunching from the latest checkpoint; return an exit status."""
+              min_ranks: int = 1, timeout: float | None = None, mpirun_args: Sequence[str] = (),
+              hostfile: str | None = None, probe_port: int = 22, probe_timeout: float = 1.0) -> int:
+    """Run the train job until it completes, relaunching from the latest checkpoint; return an exit status.
+
+    With a hostfile, each attempt runs on the hosts that answer a TCP probe, with
+    as many ranks as they hold (at most n): a host that died is left out.
+    """
     if n < 1 or max_attempts < 1 or min_ranks < 1:
         raise SuperviseError("-n, --max-attempts and --min-ranks must be at least 1")
     if job.checkpoint.directory is None:
@@ -92,9 +127,21 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
         run_dir = out / f"attempt-{attempt}"
         resume = job.checkpoint.resume if attempt == 1 else has_checkpoint(ckpt)
         pointer = read_pointer(ckpt) if resume else None
+        hosts, size = None, ranks
+        if hostfile:
+            hosts = str(run_dir / "hostfile")
+            slots, dead = live_hostfile(hostfile, Path(hosts), probe_port, probe_timeout)
+            if dead:
+                print(f"{PROG}: hosts down, left out: {', '.join(dead)}", file=sys.stderr, flush=True)
+            if slots < min_ranks:
+                print(f"{PROG}: error: the live hosts hold {slots} slots, fewer than --min-ranks {min_ranks}",
+                      file=sys.stderr, flush=True)
+                return 1
+            size = min(ranks, slots)      # a host that comes back is used again
+        kills = [k for k in kills if k.rank < size]
         av = job.replace(out=run_dir, kill_specs=[str(k) for k in kills], checkpoint={"resume": resume}).to_argv()
-        cmd = mpirun_command(ranks, av, mpirun_args=mpirun_args, ft=job.recovery.fault_tolerant)
-        print(f"{PROG}: attempt {attempt}/{max_attempts}: {ranks} ranks"
+        cmd = mpirun_command(size, av, hostfile=hosts, mpirun_args=mpirun_args, ft=job.recovery.fault_tolerant)
+        print(f"{PROG}: attempt {attempt}/{max_attempts}: {size} ranks"
               + (f", resuming from {pointer['file']}" if pointer else ", from scratch" if not resume else ""),
               file=sys.stderr, flush=True)
         res = run_attempt(cmd, timeout)
@@ -104,7 +151,7 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
         summary_path = run_dir / "summary.json"
         summary: dict[str, Any] | None = json.loads(summary_path.read_text()) if summary_path.exists() else None
         done = summary is not None and summary.get("epochs") == job.config.epochs
-        res.update(attempt=attempt, ranks=ranks, out=str(run_dir), argv=av, resume=resume,
+        res.update(attempt=attempt, ranks=size, out=str(run_dir), argv=av, resume=resume, hostfile=hosts,
                    resumed_from=pointer["file"] if pointer else None, kills_fired=fired, completed=done)
         record["attempts"].append(res)
         record["completed"] = done

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,6 +60,18 @@ def two_hosts(tmp_path):
     finally:
         for ns in [*hosts.values(), bridge]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def power_cut(ns: str) -> list[str]:
+    """Every process of the namespace host SIGKILLed and its links down: it neither runs nor answers."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        subprocess.run(["kill", "-9", pid], capture_output=True)
+    links = subprocess.run(["ip", "-n", ns, "-o", "link", "show"], capture_output=True, text=True).stdout
+    for name in (line.split(":")[1].strip().split("@")[0] for line in links.splitlines()):
+        if name != "lo":
+            subprocess.run(["ip", "-n", ns, "link", "set", name, "down"], capture_output=True)
+    return pids
 
 
 def test_losing_every_rank_of_a_host(two_hosts, digits_dir, tmp_path):
@@ -135,3 +148,42 @@ def test_agent_launch_survives_a_whole_host_killed(two_hosts, digits_dir, tmp_pa
     parts = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "redo_ms")
     print(f"\nhost {b} killed: " + ", ".join(f"{k[:-3]} {rec[0][k]:.1f} ms" for k in parts)
           + f", total {sum(rec[0][k] for k in parts):.1f} ms")
+
+
+def test_supervise_drops_a_dead_host_and_resumes(two_hosts, digits_dir, tmp_path):
+    """A daemon on every host: a host lost with its daemon ends the job; supervise --hostfile probes the
+    hosts, relaunches on the one that answers, resumes from the checkpoint and finishes."""
+    import time
+
+    hosts, agent, hostfile = two_hosts
+    a, b = list(hosts)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    extra = ["--prtemca", "plm_ssh_agent", str(agent), "--mca", "btl", "tcp,self",
+             "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24", "--prtemca", "oob_tcp_if_include", f"{SUBNET}.0/24"]
+    cmd = [sys.executable, "-P", "-m", "ulfmtrain", "supervise", "-n", "4", "--hostfile", str(hostfile),
+           "--probe-port", "9", "--max-attempts", "3", "--timeout", "120", *[f"--mpirun-arg={x}" for x in extra],
+           "--", "train", "--data", str(digits_dir), "--out", str(out), "--epochs", "6", "--model", "mlp",
+           "--no-progress", "--recovery", "shrink", "--ckpt-dir", str(ckpt), "--ckpt-every", "20"]
+    inner = " ".join(f"'{x}'" for x in cmd)
+    proc = subprocess.Popen(["ip", "netns", "exec", hosts[a], "unshare", "--uts", "sh", "-c",
+                             f"hostname {a}; exec {inner}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0, killed = time.monotonic(), []
+    first = out / "attempt-1"
+    while time.monotonic() - t0 < 100 and proc.poll() is None and not killed:
+        logs = read_rank_logs(first) if first.exists() else {}
+        if sum(x["event"] == "step" for x in logs.get(0, [])) >= 45:     # past the step-40 checkpoint
+            killed = power_cut(hosts[b])
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=200)
+    diag = stdout[-2000:] + stderr[-3000:]
+    assert killed and proc.returncode == 0, diag
+    sup = json.loads((out / "supervisor.json").read_text())
+    assert [x["ranks"] for x in sup["attempts"]] == [4, 2] and sup["completed"], sup
+    second = sup["attempts"][1]
+    assert second["resumed_from"] and f"hosts down, left out: {b}" in stderr, diag
+    assert (Path(second["hostfile"]).read_text().split()[0]) == a
+    logs = read_rank_logs(out / "attempt-2")
+    assert {next(x for x in recs if x["event"] == "start")["host"] for recs in logs.values()} == {a}
+    resume = next(x for x in logs[0] if x["event"] == "resume")
+    assert resume["step"] >= 40 and resume["ckpt_world"] == 4 and resume["world"] == 2
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 6
