@@ -19,7 +19,7 @@ def test_ranks_fill_hosts_slot_by_slot(tmp_path):
 
 def test_rank_command_forwards_the_environment_and_the_true_locality():
     plan = {"rsh": ["ssh", "-o", "ServerAliveInterval=1"], "hosts": ["a", "a", "b", "b"]}
-    env = {"PMIX_RANK": "3", "OMPI_MCA_x": "1 2", "HOME": "/root", PLAN_ENV: json.dumps(plan)}
+    env = {"PMIX_RANK": "3", "OMPI_MCA_x": "1 2", "HOME": "/home/someone", PLAN_ENV: json.dumps(plan)}
     cmd = rank_command(plan, 3, ["python", "-m", "ulfmtrain", "train"], env)
     assert cmd[:4] == ["ssh", "-o", "ServerAliveInterval=1", "b"]
     remote = shlex.split(cmd[4])
@@ -33,9 +33,9 @@ def test_rank_command_forwards_the_environment_and_the_true_locality():
 def test_agent_launch_keeps_shared_memory_and_han_off(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("a slots=2\nb slots=2\n")
-    cmd, env = agent_prefix(4, str(hostfile), "ssh", "10.0.0.0/24", "/tmp/agent")
+    cmd, env = agent_prefix(4, str(hostfile), "ssh", "10.0.0.0/24", "/opt/ulfm/agent")
     line = " ".join(cmd)
-    for part in ("--with-ft ulfm", "--mca btl tcp,self", "--mca coll ^han", "odls_base_exec_agent /tmp/agent",
+    for part in ("--with-ft ulfm", "--mca btl tcp,self", "--mca coll ^han", "odls_base_exec_agent /opt/ulfm/agent",
                  "ptl_tcp_if_include 10.0.0.0/24", "pmix_remote_connections 1"):
         assert part in line, part
     assert json.loads(env[PLAN_ENV])["hosts"] == ["a", "a", "b", "b"]
