@@ -158,17 +158,10 @@ def run(job: TrainJob) -> int:
             if job.spares:
                 from .spares import SpareComm
                 comm = SpareComm(job.spares)
-                # Imported while waiting, not after a failure: torch.optim's first optimizer imports
-                # torch._dynamo (2 s here).
-                for module in ("torch._dynamo", "ulfmtrain.models", "ulfmtrain.trainer"):
-                    importlib.import_module(module)
-                if comm.is_spare and not comm.wait_for_slot():
-                    return finalize(job.finalize_timeout, 0)     # training ended without needing me
             else:
                 comm = job.recovery.make_comm()
+            # Every check before a spare starts waiting: bad input stops every rank alike.
             kills = parse_kills(job.kill_specs, comm.size, job.spares)
-            if getattr(comm, "takeover", None) is not None:   # the dead rank's kill fired: not again in its slot
-                kills = [k for k in kills if k.rank != comm.world_rank]
             job.validate()
             job.checkpointer()           # its own checks, before any rank trains
             train_path, _ = job.dataset_paths()
@@ -183,6 +176,14 @@ def run(job: TrainJob) -> int:
                 raise _PeerFailed from exc
             raise UsageError(str(exc)) from exc
         Path(job.out).mkdir(parents=True, exist_ok=True)
+        if getattr(comm, "is_spare", False):
+            # Imported while waiting, not after a failure: torch.optim's first optimizer imports
+            # torch._dynamo (2 s here).
+            for module in ("torch._dynamo", "ulfmtrain.trainer"):
+                importlib.import_module(module)
+            if not comm.wait_for_slot():
+                return finalize(job.finalize_timeout, 0)     # training ended without needing me
+            kills = [k for k in kills if k.rank != comm.world_rank]   # the dead rank's kill fired already
 
         def build(comm: Any, kills: list[Kill], resume: bool) -> Trainer:
             return _build_trainer(job, model, comm, kills, resume)

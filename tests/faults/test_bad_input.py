@@ -81,3 +81,10 @@ def test_data_info_on_corrupt_file(digits_dir, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert_one_error(proc, "header")
+
+
+def test_bad_input_with_a_spare_stops_the_spare_too(mpi, digits_dir, tmp_path):
+    """The spare checks the job before it starts waiting: bad input ends every rank, none waits for ever."""
+    proc = mpi.run(3, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--spares", "1",
+                       "--kill", "5@5"], 100)
+    assert_one_error(proc, "does not exist", "RANK@STEP")
