@@ -105,6 +105,7 @@ class Comm(Protocol):
     @property
     def size(self) -> int: ...
     def add_listener(self, fn: Listener) -> None: ...
+    def start_attempts_at(self, n: int) -> None: ...
     def transaction(self, attempt: Callable[[int], T], commit: Callable[[T], None] | None = None, *,
                     what: str = "step", before_agree: Callable[[], None] | None = None) -> T: ...
     def reduce_try(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None: ...
@@ -137,6 +138,10 @@ class _CommBase:
     @property
     def size(self) -> int:
         return self.comm.Get_size()
+
+    def start_attempts_at(self, n: int) -> None:
+        """Number the next transaction's first attempt n (a newcomer joining a redo, so its audit lines match)."""
+        self._next_attempt = n
 
     def add_listener(self, fn: Listener) -> None:
         """Call fn(event) after every repair (after the commit decision it followed)."""

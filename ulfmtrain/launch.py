@@ -53,14 +53,20 @@ def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
             sys.executable, "-P", "-m", "ulfmtrain", *argv]
 
 
-def rank_hosts(hostfile: str, n: int) -> list[str]:
-    """The host of each rank: the hostfile's hosts filled slot by slot, in order (`HOST slots=K` lines)."""
-    hosts: list[str] = []
+def read_hostfile(hostfile: str) -> list[tuple[str, int, str]]:
+    """(host, slots, line) of each `HOST [slots=K]` line of a hostfile; comments and blank lines left out."""
+    out = []
     for line in Path(hostfile).read_text().splitlines():
         words = line.split("#")[0].split()
         if words:
             slots = next((int(w.split("=", 1)[1]) for w in words[1:] if w.startswith("slots=")), 1)
-            hosts += [words[0]] * slots
+            out.append((words[0], slots, line))
+    return out
+
+
+def rank_hosts(hostfile: str, n: int) -> list[str]:
+    """The host of each rank: the hostfile's hosts filled slot by slot, in order."""
+    hosts = [host for host, slots, _ in read_hostfile(hostfile) for _ in range(slots)]
     if len(hosts) < n:
         raise ValueError(f"hostfile {hostfile} has {len(hosts)} slots for {n} ranks: add hosts or slots=K")
     return hosts[:n]

@@ -358,7 +358,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             lambda: self.get_state(buffers=self._committed_buffers) + attempt.to_bytes(8, "little"), root=root)
         if receive:
             self.set_state(blob[:-8])
-            setattr(self.comm, "_next_attempt", int.from_bytes(blob[-8:], "little"))  # noqa: B010
+            self.comm.start_attempts_at(int.from_bytes(blob[-8:], "little"))
 
     def _keep_committed_buffers(self) -> None:
         named = self.model.named_buffers() if self.model is not None else ()

@@ -31,7 +31,7 @@ from .checkpoint.format import has_checkpoint, read_pointer
 from .events import Event, read_rank_logs, select
 from .faults import Kill, parse_kills
 from .job import TrainJob
-from .launch import mpirun_command
+from .launch import mpirun_command, read_hostfile
 
 PROG = "ulfmtrain supervise"
 # How Open MPI's launcher reports a rank that died (prterun / mpirun).
@@ -90,15 +90,12 @@ def host_is_up(host: str, port: int = 22, timeout: float = 1.0) -> bool:
 def live_hostfile(hostfile: str, path: Path, port: int, timeout: float) -> tuple[int, list[str]]:
     """Probe the hostfile's hosts; write the live ones to path; return their slots and the dead hosts."""
     live, dead, slots = [], [], 0
-    for line in Path(hostfile).read_text().splitlines():
-        words = line.split("#")[0].split()
-        if not words:
-            continue
-        if host_is_up(words[0], port, timeout):
+    for host, n, line in read_hostfile(hostfile):
+        if host_is_up(host, port, timeout):
             live.append(line)
-            slots += next((int(w.split("=", 1)[1]) for w in words[1:] if w.startswith("slots=")), 1)
+            slots += n
         else:
-            dead.append(words[0])
+            dead.append(host)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(x + "\n" for x in live))
     return slots, dead
