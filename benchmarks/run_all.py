@@ -1,4 +1,4 @@
-"""Run the four benchmarks one after the other and print their key figures (what `make bench` runs).
+"""Run the benchmarks one after the other and print their key figures (what `make bench` runs).
 
 At the default sizes this takes about 15 minutes on a 2-core machine.
 `--quick` runs each at its smallest size instead (the smoke tests use the same
@@ -24,6 +24,7 @@ SCRIPTS = {
     "reload": "bench_reload.py",
     "convergence": "bench_convergence.py",
     "overhead": "bench_overhead.py",
+    "gpu": "bench_gpu.py",          # says so and measures nothing where there is no GPU
 }
 # The smallest run of each benchmark that still exercises all of its code.
 QUICK_ARGS = {
@@ -32,11 +33,14 @@ QUICK_ARGS = {
     "convergence": ["--ranks", "2", "--steps", "20", "--kill-step", "12", "--phases", "backward=0.5"],
     "overhead": ["--ranks", "2", "--max-bytes", "16KiB", "--rounds", "2", "--target-s", "0.005",
                  "--models", "cnn", "--steps", "3", "--step-rounds", "2"],
+    "gpu": ["--ranks", "2", "--batch", "16", "--steps", "2", "--rounds", "2"],
 }
 
 
 def headline(results: Path, name: str) -> str:
     """One line per key figure, from the benchmark's JSON."""
+    if not (results / f"{name}.json").exists():
+        return "nothing measured (see its output)"
     d = json.loads((results / f"{name}.json").read_text())
     h = d["headline"]
     if name == "shrink":
@@ -49,6 +53,11 @@ def headline(results: Path, name: str) -> str:
         return "final accuracy gap, points (failure-free minus FT-SGD): " + "; ".join(
             f"{n}: " + ", ".join(f"{k} {g:+.2f}" for k, g in gaps.items())
             for n, gaps in h["accuracy_gap_points"].items())
+    if name == "gpu":
+        return ("FT-SGD overlapped / DDP-gloo step throughput: "
+                + ", ".join(f"n={k} {v:.3f}" for k, v in h["ftsgd_overlap_over_ddp_gloo"].items())
+                + "; overlapped step / max(compute, allreduce): "
+                + ", ".join(f"n={k} {v:.3f}" for k, v in h["overlap_over_max_compute_allreduce"].items()))
     ratios = h["ft_over_mpi_throughput"]
     return ("FT/plain MPI allreduce throughput: " + "; ".join(
         f"{n}: " + ", ".join(f"{b} {r:.3f}" for b, r in rs.items()) for n, rs in ratios.items())

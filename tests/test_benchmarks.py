@@ -92,3 +92,26 @@ def test_bench_overhead(tmp_path: Path) -> None:
     assert 0 < step["ratio"]["commit_agree/step"] < 1, step["ratio"]   # an agree is cheaper than a whole step
     assert {"ft_over_mpi_min", "ftsgd_over_ddp", "goal_ft_over_mpi_0.99_met", "commit_agree_over_step"} \
         <= set(data["headline"])
+
+
+@pytest.mark.timeout(150)
+def test_bench_gpu_says_when_there_is_no_gpu_and_measures_the_cpu_path(tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        cmd = [sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "gpu", "--results", str(tmp_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "no GPU here" in proc.stdout, proc.stdout + proc.stderr
+        assert not (tmp_path / "gpu.json").exists()          # nothing measured, nothing claimed
+    cmd = [sys.executable, str(BENCH / "bench_gpu.py"), "--device", "cpu", "--model", "cnn", "--ranks", "2",
+           "--batch", "16", "--steps", "2", "--rounds", "2", "--results", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    r = data["by_n"]["2"]
+    assert {"compute", "allreduce", "ftsgd", "ftsgd_overlap", "ddp_gloo"} <= set(r["step_ms"])
+    assert r["ftsgd_replicas_equal"] and r["device"] == "cpu"
+    run = r["recovery_run"]
+    assert run["survivors"] == [0] and run["consistent"] and run["audit_exact"]
+    assert run["recovery"][0]["removed"] == [1]
+    assert (tmp_path / data["plot"]).stat().st_size > 0

@@ -3,15 +3,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from .job import DEFAULT_BATCH, DEFAULT_BUCKET_BYTES, TrainJob
-from .modes import PROG, CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, UsageError, choices
+from .modes import PROG, CheckpointStrategy, DataPolicy, Device, Phase, Recovery, Reload, UsageError, choices
 
 T = TypeVar("T")
+
+
+def _device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=choices(Device), default=Device.CPU.value,
+                   help="cpu; cuda: each rank takes cuda:(local rank %% GPUs), several may share one; "
+                        "auto: cuda when torch sees a GPU")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +27,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train", dest="train_file", default=None, help="a ulfmds training file (instead of --data)")
     p.add_argument("--test", dest="test_file", default=None, help="a ulfmds test file (instead of --data)")
     p.add_argument("--model", default="cnn",
-                   help="cnn, cnn-bn (with batch norm), mlp, or package.module:factory returning an nn.Module")
+                   help="cnn, cnn-bn (with batch norm), mlp, resnet18 (32x32 images), or package.module:factory "
+                        "returning an nn.Module")
+    _device_flag(p)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="batch per rank (kept after a shrink)")
     p.add_argument("--lr", type=float, default=0.05)
@@ -35,6 +44,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audit", action="store_true",
                    help="log the record ids of every step (check them with `python -m ulfmtrain audit OUT`)")
     p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES, help="gradient bucket size in bytes")
+    p.add_argument("--overlap", action="store_true",
+                   help="reduce each gradient bucket on a communication thread while backward still runs "
+                        "(bit-identical results)")
     p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP[:PHASE]",
                    help="SIGKILL a rank (repeatable); PHASE: "
                         + ", ".join(choices(Phase)).replace("backward", "backward[=FRAC]")
@@ -97,8 +109,10 @@ def cmd_data(args: argparse.Namespace) -> int:
         for p in (train, test):
             print(f"{p}: {DatasetFile(p).count} records")
     elif args.kind == "synthetic":
-        records = args.records or records_for_bytes(int(args.mib * 2**20), args.features)
-        p = synthetic_dataset(args.path, records, features=args.features, classes=args.classes, seed=args.seed)
+        features = math.prod(args.shape) if args.shape else args.features
+        records = args.records or records_for_bytes(int(args.mib * 2**20), features)
+        p = synthetic_dataset(args.path, records, features=args.features, classes=args.classes, seed=args.seed,
+                              shape=args.shape)
         print(f"{p}: {records} records, {p.stat().st_size / 2**20:.1f} MiB")
     else:
         with DatasetFile(args.path) as ds:
@@ -107,6 +121,16 @@ def cmd_data(args: argparse.Namespace) -> int:
             ds.read(0, ds.count)
             print("all record checksums match")
     return 0
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape: give sizes like 3,32,32") from None
+    if any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be at least 1")
+    return shape
 
 
 def _options(cls: type[T], args: argparse.Namespace) -> T:
@@ -149,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--kill", default=None, help="kill spec for the faulty run (default: rank 1, mid-epoch, ~60%% in)")
     p.add_argument("--model", default="cnn")
+    _device_flag(p)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="also run with K hot spares: it ends bit-identical to the failure-free run")
@@ -181,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="cnn, mlp or package.module:factory (default: cnn on digits, "
                                                   "mlp on synthetic data; ulfmtrain.models:large_mlp is a "
                                                   "6.3 M-parameter MLP for synthetic data)")
+    _device_flag(p)
     p.add_argument("-n", "--ranks", type=int, default=4)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH)
@@ -210,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--records", type=int, default=None)
     d.add_argument("--mib", type=float, default=64.0, help="size in MiB when --records is not given")
     d.add_argument("--features", type=int, default=1024)
+    d.add_argument("--shape", type=_shape, default=None, metavar="C,H,W",
+                   help="store records in this shape (e.g. 3,32,32 for CIFAR-10's); replaces --features")
     d.add_argument("--classes", type=int, default=10)
     d.add_argument("--seed", type=int, default=0)
     d = dsub.add_parser("info", help="print a dataset's header and verify every record")

@@ -36,11 +36,15 @@ class FaultToleranceUnavailable(RuntimeError):
 
 
 class AttemptFailed(Exception):
-    """An attempt met an MPI error (the communicator is already revoked): go to the commit agree."""
+    """An attempt met an MPI error (the communicator is already revoked): go to the commit agree.
 
-    def __init__(self, status: int) -> None:
+    started, failed: MPI.Wtime() of the attempt's start and of the error, when
+    they were met elsewhere (the overlapped reductions' thread).
+    """
+
+    def __init__(self, status: int, started: float | None = None, failed: float | None = None) -> None:
         super().__init__(status)
-        self.status = status
+        self.status, self.started, self.failed = status, started, failed
 
 
 def require_fault_tolerance() -> None:
@@ -104,6 +108,8 @@ class Comm(Protocol):
     def rank(self) -> int: ...
     @property
     def size(self) -> int: ...
+    @property
+    def next_attempt(self) -> int: ...
     def add_listener(self, fn: Listener) -> None: ...
     def start_attempts_at(self, n: int) -> None: ...
     def transaction(self, attempt: Callable[[int], T], commit: Callable[[T], None] | None = None, *,
@@ -138,6 +144,11 @@ class _CommBase:
     @property
     def size(self) -> int:
         return self.comm.Get_size()
+
+    @property
+    def next_attempt(self) -> int:
+        """The number the next transaction's first attempt will have (0 unless a newcomer joins a redo)."""
+        return self._next_attempt
 
     def start_attempts_at(self, n: int) -> None:
         """Number the next transaction's first attempt n (a newcomer joining a redo, so its audit lines match)."""
@@ -176,15 +187,15 @@ class FaultTolerantComm(_CommBase):
         while True:
             self._attempt = n
             t0 = MPI.Wtime()
-            status, result = _ftcoll.OK, None
+            status, result, t_error = _ftcoll.OK, None, None
             try:
                 result = attempt(n)
             except AttemptFailed as exc:
-                status = exc.status
+                status, t0, t_error = exc.status, exc.started or t0, exc.failed
             except MPI.Exception as exc:        # an mpi4py call inside the attempt
                 _ftcoll.revoke(self.comm)
                 status = _ftcoll.status_of(exc.Get_error_code())
-            t_error = MPI.Wtime()
+            t_error = t_error or MPI.Wtime()
             if before_agree is not None:
                 before_agree()
             flag, agreed = _ftcoll.agree(self.comm, 1 if status == _ftcoll.OK else 0)

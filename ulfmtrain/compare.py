@@ -22,7 +22,7 @@ from .atomic import write_json
 from .faults import mid_run_kill
 from .job import DEFAULT_BATCH, CheckpointOptions, TrainConfig, TrainJob
 from .lost_time import CompareError, analyze, md_table, tables, text_table
-from .modes import CheckpointStrategy, Recovery, choices
+from .modes import CheckpointStrategy, Device, Recovery, choices
 
 PROG = "ulfmtrain compare"
 
@@ -36,6 +36,7 @@ class CompareOptions:
     synthetic: float | None = None     # MiB of synthetic data instead of digits
     features: int = 1024
     model: str | None = None           # default: cnn on digits, mlp on synthetic data
+    device: str = "cpu"
     ranks: int = 4
     epochs: int = 5
     batch: int = DEFAULT_BATCH
@@ -58,7 +59,7 @@ def _job(a: CompareOptions, data: Path, out: Path, kills: Sequence[str], mode: s
     ckpt = (CheckpointOptions(out / "ckpt", a.ckpt_every, strategy=CheckpointStrategy(strategy)) if strategy
             else CheckpointOptions())
     return TrainJob(data=data, model=a.model or "cnn", out=out, kill_specs=list(kills), recovery=Recovery(mode),
-                    spares=spares,
+                    spares=spares, device=Device(a.device),
                     config=TrainConfig(epochs=a.epochs, batch=a.batch, seed=a.seed, progress=False), checkpoint=ckpt)
 
 

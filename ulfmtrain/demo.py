@@ -12,6 +12,7 @@ from .events import Event, loss_curve, read_rank_logs, select
 from .faults import mid_run_kill
 from .job import DEFAULT_BATCH, TrainConfig, TrainJob
 from .launch import mpirun_command
+from .modes import Device
 from .plots import plot_loss
 
 
@@ -24,6 +25,7 @@ class DemoOptions:
     epochs: int = 20
     kill: str | None = None      # default: rank 1, mid-epoch, about 60 % in
     model: str = "cnn"
+    device: str = "cpu"
     timeout: float = 600.0
     spares: int = 0              # > 0: a third run with hot spares, to end where the failure-free run ends
 
@@ -38,7 +40,7 @@ def _run(label: str, out: Path, data: Path, args: DemoOptions, kills: list[str],
     run_dir = out / label
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = TrainJob(data=data, out=run_dir, model=args.model, kill_specs=kills, spares=spares,
-                    config=TrainConfig(epochs=args.epochs)).to_argv()
+                    device=Device(args.device), config=TrainConfig(epochs=args.epochs)).to_argv()
     print(f"== {label}: {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
     subprocess.run(mpirun_command(args.ranks + spares, argv), timeout=args.timeout, check=False)

@@ -35,7 +35,7 @@ class Event(StrEnum):
 
 
 # Fields every line of a kind carries (beyond event, rank and t): what the readers rely on.  Writers add more
-# (the trainer's start line also has world, alive, holdings, steps_per_epoch and buckets).
+# (the trainer's start line also has world, alive, holdings, steps_per_epoch, buckets and device).
 REQUIRED: dict[Event, frozenset[str]] = {
     Event.KILL_ARMED: frozenset({"step", "phase", "spec"}),
     Event.READY: frozenset({"t_init", "init_ms", "load_ms", "bytes_read", "recovery", "world"}),

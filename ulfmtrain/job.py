@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .faults import parse_kill
-from .modes import CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, UsageError
+from .modes import CheckpointStrategy, DataPolicy, Device, Phase, Recovery, Reload, UsageError
 
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import Checkpointer
@@ -35,6 +35,7 @@ class TrainConfig:
     data_policy: DataPolicy = DataPolicy.EXACTLY_ONCE
     audit: bool = False          # log the record ids of every step attempt (python -m ulfmtrain audit OUT)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    overlap: bool = False        # reduce each bucket while backward runs (bit-identical to not overlapping)
     progress: bool = True
 
 
@@ -66,6 +67,7 @@ class TrainJob:
     out: Path = Path("ulfmtrain-out")
     finalize_timeout: float = 5.0
     spares: int = 0                   # the last K ranks wait and take dead ranks' slots (shrink mode)
+    device: Device = Device.CPU
 
     # -- from and to the command line -----------------------------------------
     @classmethod
@@ -77,11 +79,12 @@ class TrainJob:
         config = TrainConfig(epochs=ns.epochs, batch=ns.batch, lr=ns.lr, momentum=ns.momentum,
                              weight_decay=ns.weight_decay, seed=ns.seed, reload=Reload(ns.reload),
                              data_policy=DataPolicy(ns.data_policy), audit=ns.audit, bucket_bytes=ns.bucket_bytes,
-                             progress=not ns.no_progress)
+                             overlap=ns.overlap, progress=not ns.no_progress)
         ckpt = CheckpointOptions(path(ns.ckpt_dir), ns.ckpt_every, ns.ckpt_epoch, CheckpointStrategy(ns.ckpt_strategy),
                                  ns.ckpt_inflight, ns.ckpt_keep, ns.resume)
         return cls(path(ns.data), path(ns.train_file), path(ns.test_file), ns.model, config, list(ns.kill),
-                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout, ns.spares)
+                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout, ns.spares,
+                   Device(ns.device))
 
     def to_argv(self) -> list[str]:
         """The `train ...` command line that from_args turns back into this job."""
@@ -97,9 +100,10 @@ class TrainJob:
                  "--bucket-bytes", str(c.bucket_bytes), "--out", str(self.out),
                  "--finalize-timeout", repr(self.finalize_timeout), "--recovery", self.recovery.value,
                  "--ckpt-every", str(k.every), "--ckpt-strategy", k.strategy.value,
-                 "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep), "--spares", str(self.spares)]
-        for flag, on in (("--audit", c.audit), ("--no-progress", not c.progress), ("--ckpt-epoch", k.epoch),
-                         ("--resume", k.resume)):
+                 "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep), "--spares", str(self.spares),
+                 "--device", self.device.value]
+        for flag, on in (("--audit", c.audit), ("--overlap", c.overlap), ("--no-progress", not c.progress),
+                         ("--ckpt-epoch", k.epoch), ("--resume", k.resume)):
             if on:
                 argv.append(flag)
         for spec in self.kill_specs:

@@ -73,6 +73,14 @@ class CheckpointStrategy(StrEnum):
     OVERLAPPED = "overlapped"   # it snapshots; a background thread writes
 
 
+class Device(StrEnum):
+    """Where each rank trains."""
+
+    CPU = "cpu"
+    CUDA = "cuda"      # cuda:(local rank % GPUs on the host); several ranks may share one GPU
+    AUTO = "auto"      # CUDA when torch sees a GPU, else CPU
+
+
 class Phase(StrEnum):
     """Program points where a kill schedule can fire (faults.point)."""
 
@@ -146,6 +154,7 @@ def run(job: TrainJob) -> int:
     from .checkpoint.format import CheckpointError
     from .comm import FaultToleranceUnavailable
     from .data.format import DatasetError, DatasetFile
+    from .device import select_device
     from .faults import KillSpecError, parse_kills
     from .lifecycle import finalize
     from .models import build_model
@@ -166,10 +175,11 @@ def run(job: TrainJob) -> int:
             job.checkpointer()           # its own checks, before any rank trains
             train_path, _ = job.dataset_paths()
             with DatasetFile(train_path) as ds:   # header, size and shape checks, same on every rank
-                inputs = math.prod(ds.fields[0][2])
+                shape = ds.fields[0][2]
                 classes = int(ds.meta.get("classes", 10))
-            torch.manual_seed(job.config.seed)   # the same --seed gives the same initial model
-            model = build_model(job.model, inputs=inputs, classes=classes)
+            device = select_device(job.device)
+            torch.manual_seed(job.config.seed)   # the same --seed gives the same initial model, on any device
+            model = build_model(job.model, inputs=math.prod(shape), classes=classes, shape=shape).to(device)
         except (FaultToleranceUnavailable, KillSpecError, DatasetError, UsageError, ValueError) as exc:
             # Every rank meets these alike: one of them says it.
             if not first:

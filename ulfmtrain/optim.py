@@ -20,109 +20,14 @@ import torch
 from mpi4py import MPI
 
 from . import faults
+from .buckets import BufferBucket, crc32_tensors, make_buckets
+from .comm import AttemptFailed
 from .job import DEFAULT_BUCKET_BYTES
 from .modes import Phase
+from .overlap import Overlap
 
 if TYPE_CHECKING:
     from .comm import Comm
-
-# MPI has no bfloat16 and Open MPI's float16 reduction is not portable: half
-# precision travels as float32 (exact for the values, and a sum of N halves is
-# better in float32 anyway).
-_STAGED = (torch.float16, torch.bfloat16)
-
-
-class _Bucket:
-    """Tensors that travel in one flat buffer.
-
-    Gradients are views of `grad`, so backward accumulates straight into the
-    buffer (DDP's gradient_as_bucket_view).  For float32/float64, `grad` is
-    the send buffer itself; half precision is staged through float32.  After a
-    failed reduction `send` still holds this rank's weighted contribution.
-    """
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = params
-        self.sizes = [p.numel() for p in params]
-        n, dtype = sum(self.sizes), params[0].dtype
-        self.grad = torch.zeros(n, dtype=dtype)
-        wire = torch.float32 if dtype in _STAGED else dtype
-        self.send = self.grad if wire == dtype else torch.zeros(n, dtype=wire)
-        self.recv = torch.zeros(n, dtype=wire)
-        self._views_set = False
-
-    def _grads_are_views(self) -> bool:
-        base, off = self.grad.data_ptr(), 0
-        for p, size in zip(self.params, self.sizes):
-            if p.grad is None or p.grad.data_ptr() != base + off * self.grad.element_size():
-                return False
-            off += size
-        return True
-
-    def prepare(self, weight: float) -> None:
-        """Gather the gradients into the send buffer, weighted by this rank's samples."""
-        if not self._grads_are_views():
-            grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
-                     for p in self.params]
-            torch.cat(grads, out=self.grad)
-            for p, g in zip(self.params, self.grad.split(self.sizes)):
-                p.grad = g.view_as(p)
-        if self.send is not self.grad:
-            self.send.copy_(self.grad)
-        if weight != 1.0:
-            self.send.mul_(weight)
-
-    def finish(self, scale: float) -> None:
-        """Hand the reduced mean back as the gradients."""
-        self.recv.mul_(scale)
-        if self.send is self.grad:
-            # The reduced buffer becomes the gradients, and next step's send buffer.
-            self.grad, self.send, self.recv = self.recv, self.recv, self.grad
-            for p, g in zip(self.params, self.grad.split(self.sizes)):
-                p.grad = g.view_as(p)
-        else:
-            self.grad.copy_(self.recv)
-
-
-class _BufferBucket:
-    """Module buffers kept identical: floating ones averaged with the gradients, integer ones from rank 0."""
-
-    def __init__(self, buffers: list[torch.Tensor], floating: bool) -> None:
-        self.buffers, self.floating = buffers, floating
-        self.sizes = [b.numel() for b in buffers]
-        dtype = torch.float64 if floating else torch.int64
-        self.send = torch.zeros(sum(self.sizes), dtype=dtype)
-        self.recv = torch.zeros_like(self.send)
-
-    def prepare(self, weight: float, lowest: bool) -> None:
-        torch.cat([b.detach().reshape(-1).to(self.send.dtype) for b in self.buffers], out=self.send)
-        if self.floating:
-            self.send.mul_(weight)
-        elif not lowest:
-            self.send.zero_()          # a sum in which only rank 0 speaks is rank 0's value
-
-    def finish(self, scale: float) -> None:
-        if self.floating:
-            self.recv.mul_(scale)
-        with torch.no_grad():
-            for b, v in zip(self.buffers, self.recv.split(self.sizes)):
-                b.copy_(v.view_as(b))
-
-
-def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
-    # Reverse registration order: about the order backward makes gradients
-    # ready, the same on every rank (DDP's convention).
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if not out or size + nbytes > bucket_bytes or p.dtype != out[-1][0].dtype:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += nbytes
-    return [_Bucket(b) for b in out]
-
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap a torch optimizer: average gradients over the survivors as one transaction, then step.
@@ -145,11 +50,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             identical and are part of the replicated state; optional.
         bucket_bytes: gradients travel in buckets of about this size.
         broadcast: start every rank from the lowest rank's state (at construction).
+        overlap: reduce each bucket as soon as backward has filled it, on a
+            communication thread (DDP's overlap).  Declare this rank's samples
+            before backward with begin_step(samples); accumulate micro-batches
+            inside no_sync().  Bit-identical to overlap=False.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Comm, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 broadcast: bool = True) -> None:
+                 broadcast: bool = True, overlap: bool = False) -> None:
         # Not Optimizer.__init__: param_groups and state stay the wrapped optimizer's own.
         self.optimizer = optimizer
         self.comm = comm
@@ -157,15 +66,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.buckets = _buckets(self.params, bucket_bytes)
+        self.buckets = make_buckets(self.params, bucket_bytes)
         bufs = [b for b in model.buffers()] if model is not None else []
-        self._buffer_buckets = [_BufferBucket(group, floating) for floating in (True, False)
+        self._buffer_buckets = [BufferBucket(group, floating) for floating in (True, False)
                                 if (group := [b for b in bufs if b.is_floating_point() == floating])]
         self._count = (np.zeros(1), np.zeros(1))       # samples: this rank's, and the survivors' sum
         self.step_count = 0
         self.samples_total = 0.0
         self._synchronized = False
         self._skip_sync = False
+        self._samples: int | None = None          # declared by begin_step()
+        self._overlapped: list[AttemptFailed] | None = None  # the overlapped first attempt: [] or [its failure]
+        self._weight_sent = 1.0
+        self.overlap = Overlap(self.buckets, self._begin_overlapped, self._reduce_bucket) if overlap else None
         self._commit_hooks: list[Callable[[], None]] = []
         self._attempt_hooks: list[Callable[[int, int], None]] = []
         self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
@@ -235,6 +148,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._extra[name] = (get, set)
 
     # -- the step --------------------------------------------------------------
+    def begin_step(self, samples: int | None = None) -> None:
+        """Start a step, before backward: this rank's samples in it (its gradient's weight).
+
+        Needed with overlap=True, where buckets are weighted as backward fills
+        them; without overlap, samples may be given to step() instead.
+        """
+        self._pending_handover()
+        self._samples = samples
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients without reducing (DDP's convention): every micro-batch but the last."""
+        return self.overlap.no_sync() if self.overlap is not None else contextlib.nullcontext()
+
+    def _weight(self, samples: int | None) -> float:
+        return 1.0 if samples is None else float(samples)
+
+    def _begin_overlapped(self) -> float:
+        """The first bucket of this step is ready (on the thread running backward): audit, then weigh."""
+        self._pending_handover()
+        attempt = self.comm.next_attempt
+        for fn in self._attempt_hooks:
+            fn(self.step_count, attempt)
+        self._weight_sent = self._weight(self._samples)
+        return self._weight_sent
+
+    def _reduce_bucket(self, i: int) -> int:
+        """One bucket of the overlapped first attempt, on the communication thread."""
+        if i == self._kill_index():
+            faults.point(self.step_count, Phase.ALLREDUCE)
+        b = self.buckets[i]
+        try:
+            self.comm.reduce_try(b.send.numpy(), b.recv.numpy(), MPI.SUM)
+        except AttemptFailed as exc:
+            return exc.status
+        return 0
+
+    def _kill_index(self) -> int:
+        # The ALLREDUCE kill point: inside the reduction, even with one gradient bucket.
+        return max(1, (len(self.buckets) + 1 + len(self._buffer_buckets)) // 2)
+
     def synchronize(self, samples: int | None = None) -> None:
         """Average the gradients over the survivors: one transaction, committed on every rank.
 
@@ -242,29 +195,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
             samples: this rank's samples in the batch (the weight of its
                 gradient); None counts every rank alike.
         """
-        self._pending_handover()
-        weight = 1.0 if samples is None else float(samples)
-        self._count[0][0] = weight
-        for b in self.buckets:
-            b.prepare(weight)
+        if samples is None:
+            samples = self._samples
+        if self.overlap is not None:
+            self._overlapped = self.overlap.wait()
+            if self._weight(samples) != self._weight_sent:
+                raise ValueError(f"step(samples={samples}) after backward was weighted with {self._weight_sent}: "
+                                 "with overlap, call begin_step(samples) before backward")
+        else:
+            self._pending_handover()
+            for b in self.buckets:
+                b.prepare(self._weight(samples))
+            for b in self.buckets:          # on a GPU: the copies to pinned memory, queued above, are done
+                b.wait_staged()
+        self._samples = None
+        self._count[0][0] = self._weight(samples)
         self.comm.step = self.step_count
         self.comm.transaction(self._reduce, self._commit, what="step",
                               before_agree=lambda: faults.point(self.step_count, Phase.COMMIT))
         self._synchronized = True
 
     def _reduce(self, attempt: int) -> None:
-        for fn in self._attempt_hooks:
-            fn(self.step_count, attempt)
+        # Buckets in order, then the sample count and the module buffers: the overlapped first
+        # attempt and a synchronous redo issue the same reductions in the same order (a spare
+        # that joins a redo may be overlapping while the survivors are not).
+        overlapped, self._overlapped = self._overlapped, None
+        pairs: list[tuple[np.ndarray, np.ndarray] | None] = [(b.send.numpy(), b.recv.numpy()) for b in self.buckets]
+        if overlapped is None:
+            for fn in self._attempt_hooks:
+                fn(self.step_count, attempt)
+        else:
+            if overlapped:
+                raise overlapped[0]             # the communicator is already revoked
+            pairs = [None] * len(pairs)         # reduced during backward
         lowest = self.comm.rank == 0
         for bb in self._buffer_buckets:       # the world may have shrunk since the last attempt
             bb.prepare(self._count[0][0], lowest)
-        pairs = [self._count, *((b.send.numpy(), b.recv.numpy()) for b in self.buckets),
-                 *((bb.send.numpy(), bb.recv.numpy()) for bb in self._buffer_buckets)]
-        kill_at = max(1, len(pairs) // 2)     # inside the reduction, even with one gradient bucket
-        for i, (send, recv) in enumerate(pairs):
+        pairs += [self._count, *((bb.send.numpy(), bb.recv.numpy()) for bb in self._buffer_buckets)]
+        kill_at = self._kill_index()
+        for i, pair in enumerate(pairs):
+            if pair is None:
+                continue
             if i == kill_at:
                 faults.point(self.step_count, Phase.ALLREDUCE)
-            self.comm.reduce_try(send, recv, MPI.SUM)
+            self.comm.reduce_try(pair[0], pair[1], MPI.SUM)
 
     def _commit(self, _: None) -> None:
         total = float(self._count[1][0])
@@ -334,7 +308,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def set_state(self, blob: bytes) -> None:
         """Take a state made by get_state()."""
-        state = torch.load(io.BytesIO(blob), weights_only=False)
+        # On the host: load_state_dict copies to the parameters' device (which may differ from the sender's).
+        state = torch.load(io.BytesIO(blob), weights_only=False, map_location="cpu")
         if self.model is not None:
             self.model.load_state_dict(state["model"])
         else:
@@ -373,10 +348,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def checksum(self) -> int:
         """CRC32 of parameters, buffers, optimizer state and step: equal on consistent replicas."""
         crc = zlib.crc32(self.step_count.to_bytes(8, "little", signed=True))
-        for t in _walk_tensors(self._tensors()):
-            # Bytes of any dtype (bfloat16 has no numpy type).
-            crc = zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
-        return crc
+        return crc32_tensors(_walk_tensors(self._tensors()), crc)
+
+    def close(self) -> None:
+        """End the communication thread of overlap=True (also at interpreter exit: it is a daemon)."""
+        if self.overlap is not None:
+            self.overlap.close()
+            self.overlap = None
 
 
 def _walk_tensors(obj: Any) -> Iterable[torch.Tensor]:
@@ -396,6 +374,6 @@ class FTSGD(DistributedOptimizer):
     def __init__(self, params: Iterable[torch.Tensor], comm: Comm, lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 broadcast: bool = True) -> None:
+                 broadcast: bool = True, overlap: bool = False) -> None:
         sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(sgd, comm, model=model, bucket_bytes=bucket_bytes, broadcast=broadcast)
+        super().__init__(sgd, comm, model=model, bucket_bytes=bucket_bytes, broadcast=broadcast, overlap=overlap)

@@ -19,6 +19,7 @@ from .data.format import DatasetFile
 from .data.plan import initial_holdings, plan_recovery, ranges_len
 from .data.sampler import EpochSampler
 from .data.shard import LocalShard
+from .device import model_device
 from .events import EventLog
 from .extras import require
 from .faults import Kill
@@ -57,6 +58,7 @@ class Trainer:
                  optimizer: DistributedOptimizer | None = None, checkpointer: Checkpointer | None = None) -> None:
         self.cfg = cfg = config or TrainConfig()
         self.model, self.comm = model, comm
+        self.device = model_device(model)
         self.out_dir = Path(out_dir) if out_dir else None
         self.log = EventLog(self.out_dir, comm.world_rank) if self.out_dir else (lambda *a, **k: None)
         faults.arm(kills, comm.world_rank, self.log)
@@ -68,10 +70,11 @@ class Trainer:
         holdings = {w: shards[i] for i, w in enumerate(comm.alive)}
         self.shard = LocalShard(self.train, holdings[comm.world_rank])
         self.sampler = EpochSampler(holdings, cfg.batch, cfg.seed, cfg.data_policy)
-        self.test = None
+        self.test: tuple[torch.Tensor, torch.Tensor] | None = None
         if test_path is not None:
             with DatasetFile(test_path) as ds:
-                self.test = ds.read(0, ds.count)
+                test = ds.read(0, ds.count)
+            self.test = (torch.from_numpy(test["x"]).to(self.device), torch.from_numpy(test["y"]).to(self.device))
         self.load_ms = (time.perf_counter() - t_load) * 1e3   # reading my whole shard (a restart's data reload)
 
         # Listen before the optimizer's initial broadcast: a rank that dies
@@ -82,7 +85,7 @@ class Trainer:
         self._broadcast = optimizer is None
         self.opt = optimizer or FTSGD(model.parameters(), comm, lr=cfg.lr, momentum=cfg.momentum,
                                       weight_decay=cfg.weight_decay, model=model, bucket_bytes=cfg.bucket_bytes,
-                                      broadcast=False)
+                                      broadcast=False, overlap=cfg.overlap)
 
         self.opt.register_extra_state("sampler", self.sampler.state, self._set_sampler_state)
         self.opt.add_commit_hook(self.sampler.commit)
@@ -140,7 +143,10 @@ class Trainer:
         ids = self.sampler.batch_ids(self.comm.world_rank)
         self._ids = ids
         batch = self.shard.take(self.shard.index_of(ids))
-        return torch.from_numpy(batch["x"]), torch.from_numpy(batch["y"])
+        x, y = torch.from_numpy(batch["x"]), torch.from_numpy(batch["y"])
+        if self.device.type == "cuda":      # pinned, so the copies can run while the host goes on
+            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x, y
 
     def _audit(self, step: int, attempt: int) -> None:
         # Before this rank's first contribution: a rank that dies after
@@ -153,6 +159,7 @@ class Trainer:
         faults.point(step, Phase.FORWARD)
         x, y = self._batch()
         self.opt.zero_grad()
+        self.opt.begin_step(len(y))     # the weight of my gradient, before backward (overlap needs it)
         if len(y) == 0:          # my queue ran dry this epoch: I contribute nothing (weight 0)
             return float("nan"), 0
         hooks = faults.watch_backward(self.opt.params, step)
@@ -183,10 +190,11 @@ class Trainer:
         if self.test is None:
             return None
         self.model.eval()
+        x, y = self.test
         with torch.no_grad():
-            pred = self.model(torch.from_numpy(self.test["x"])).argmax(1)
+            pred = torch.cat([self.model(part).argmax(1) for part in x.split(1024)])
         self.model.train()
-        return float((pred == torch.from_numpy(self.test["y"])).float().mean())
+        return float((pred == y).float().mean())
 
     def _next_epoch(self) -> None:
         if self.sampler.epoch + 1 < self.cfg.epochs:
@@ -237,7 +245,7 @@ class Trainer:
             self.checkpointer.begin(self)
         self.log("start", host=socket.gethostname(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
-                 steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets))
+                 steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets), device=str(self.device))
         try:
             while self.sampler.epoch < self.cfg.epochs:
                 t0, seen = time.perf_counter(), len(self.comm.events)
@@ -246,6 +254,8 @@ class Trainer:
                 rec: dict[str, Any] = {"step": self.opt.step_count - 1, "epoch": self.sampler.epoch,
                                        "loss": loss, "samples": samples, "world": self.comm.size,
                                        "ms": (time.perf_counter() - t0) * 1e3}
+                if self.device.type == "cuda":     # survivors' device memory must stay flat across recoveries
+                    rec["cuda_mem"] = torch.cuda.memory_allocated(self.device)
                 if len(self.comm.events) > seen:
                     self._log_events()
                     rec["checksum"] = self.opt.checksum()

@@ -88,3 +88,21 @@ def test_bad_input_with_a_spare_stops_the_spare_too(mpi, digits_dir, tmp_path):
     proc = mpi.run(3, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--spares", "1",
                        "--kill", "5@5"], 100)
     assert_one_error(proc, "does not exist", "RANK@STEP")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_stops_at_start(mpi, digits_dir, out_with_old_summary):
+    proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(out_with_old_summary), "--device", "cuda",
+                       "--no-progress"], 100)
+    assert proc.returncode == 2 or not (out_with_old_summary / "rank0.jsonl").exists()
+    assert_one_error(proc, "--device cuda", "--device cpu")
+    assert (out_with_old_summary / "summary.json").read_text() == '{"earlier": "run"}'
+
+
+def test_resnet18_on_flat_records_names_the_fix(mpi, tmp_path):
+    from ulfmtrain.data.sources import synthetic_dataset
+
+    flat = synthetic_dataset(tmp_path / "flat.ulfmds", records=64, features=32)
+    proc = mpi.run(2, ["train", "--train", str(flat), "--out", str(tmp_path / "o"), "--model", "resnet18",
+                       "--no-progress"], 100)
+    assert_one_error(proc, "resnet18", "--shape 3,32,32")

@@ -122,6 +122,38 @@ def test_fault_case(case, mpi, digits_dir, tmp_path):
     assert summary["world_history"] == history and summary["test_acc"] > 0.8 and summary["consistent"]
 
 
+# Buckets reduced on the communication thread while backward runs: kills inside the overlapped buckets
+# (the allreduce point falls on the thread with 4 buckets), in backward, and in the commit agree.
+OVERLAP_CASES = {
+    "inside_overlapped_buckets": (["2@34:allreduce"], [4, 3]),
+    "rank_zero_inside_overlapped_buckets": (["0@34:allreduce"], [4, 3]),
+    "half_way_through_backward": (["1@34:backward=0.5"], [4, 3]),
+    "commit_agree": (["3@34:commit"], [4, 3]),
+}
+
+
+@pytest.mark.timeout(BOUND_S + 30)
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+def test_fault_case_with_overlap(case, mpi, digits_dir, tmp_path):
+    kills, history = OVERLAP_CASES[case]
+    proc, logs = train_with_kills(mpi, digits_dir, tmp_path, kills, "--overlap")
+    recs = check_invariants(proc, logs, digits_dir, kills, history)
+    if case.endswith("overlapped_buckets"):     # detection timed from the first bucket handed to the thread
+        assert all(x["detect_ms"] > 0 and not x["committed"] for r in recs for x in recs[r]), recs
+
+
+@pytest.mark.timeout(2 * BOUND_S + 30)
+def test_overlap_is_bit_identical_to_reducing_after_backward(mpi, digits_dir, tmp_path):
+    """With and without a kill inside the buckets, the overlapped run ends on the same bits."""
+    for kills in ([], ["2@34:allreduce"]):
+        sums = set()
+        for flag in ([], ["--overlap"]):
+            out = tmp_path / f"{len(kills)}{''.join(flag)}"
+            _, logs = train_with_kills(mpi, digits_dir, out, kills, *flag)
+            sums |= {x["checksum"] for recs in logs.values() for x in recs if x["event"] == "end"}
+        assert len(sums) == 1, (kills, sums)
+
+
 @pytest.mark.timeout(BOUND_S + 30)
 def test_backward_fraction_with_full_reload_trains_on_the_same_records(mpi, digits_dir, tmp_path):
     kills = ["3@20:backward=0.3"]
@@ -194,9 +226,10 @@ def test_bucket_reduced_before_a_failure_is_not_mis_scaled(mpi, tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_grad_scaler_and_scheduler_through_an_overflow_and_a_failure(mpi, tmp_path):
+@pytest.mark.parametrize("overlap", ["", "overlap"])
+def test_grad_scaler_and_scheduler_through_an_overflow_and_a_failure(mpi, tmp_path, overlap):
     """GradScaler skips the overflowed step on every rank; the failure is redone; replicas stay identical."""
-    got = run_rank_script(mpi, "grad_scaler.py", tmp_path, 3)
+    got = run_rank_script(mpi, "grad_scaler.py", tmp_path, 3, overlap)
     assert sorted(got) == [0, 2], got
     assert len({g["checksum"] for g in got.values()}) == 1, got
     for g in got.values():

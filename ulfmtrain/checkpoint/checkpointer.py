@@ -105,11 +105,14 @@ class TrainingState(Protocol):
 
 
 def rng_state() -> dict[str, Any]:
-    """The Python, NumPy and torch (CPU) generator states of this process."""
+    """The Python, NumPy and torch generator states of this process (CUDA's too, when it is in use)."""
     import numpy as np
     import torch
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -120,6 +123,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        # A checkpoint from a host with more GPUs: set those this process has.
+        cuda = state["cuda"][:torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
 
 
 def capture(state: TrainingState) -> Snapshot:

@@ -122,16 +122,23 @@ def synthetic_dataset(
     classes: int = 10,
     seed: int = 0,
     chunk_records: int = 8192,
+    shape: tuple[int, ...] | None = None,
 ) -> Path:
     """Write a learnable synthetic classification set (Gaussian classes) in bounded-memory chunks.
 
     ``x`` is float32 of shape ``(features,)`` drawn around a class-dependent mean,
     ``y`` is int64 in ``[0, classes)``.  The content depends only on ``records``,
-    ``features``, ``classes`` and ``seed``, not on ``chunk_records``.
+    ``features``, ``classes`` and ``seed``, not on ``chunk_records``.  With
+    ``shape`` (e.g. ``(3, 32, 32)``, CIFAR-10's) records are stored in that
+    shape and ``features`` is its product.
 
     Returns:
         The written path.
     """
+    if shape is not None:
+        if not shape or any(d < 1 for d in shape):
+            raise ValueError(f"need a shape of positive dimensions, got {shape}")
+        features = math.prod(shape)
     if records < 0 or features < 1 or classes < 1 or chunk_records < 1 or seed < 0:
         raise ValueError(
             "need records >= 0, features >= 1, classes >= 1, chunk_records >= 1, seed >= 0; got "
@@ -151,10 +158,11 @@ def synthetic_dataset(
                 b = min(hi, (block + 1) * _SYNTH_BLOCK) - block * _SYNTH_BLOCK
                 xs.append(bx[a:b])
                 ys.append(by[a:b])
-            yield {"x": np.concatenate(xs), "y": np.concatenate(ys)}
+            x = np.concatenate(xs)
+            yield {"x": x.reshape(len(x), *shape) if shape else x, "y": np.concatenate(ys)}
 
     out = Path(path)
-    fields = [("x", np.dtype("<f4"), (features,)), ("y", np.dtype("<i8"), ())]
+    fields = [("x", np.dtype("<f4"), tuple(shape) if shape else (features,)), ("y", np.dtype("<i8"), ())]
     meta = {"source": "synthetic", "classes": classes, "features": features, "seed": seed}
     write_dataset_chunks(out, fields, records, chunks(), meta)
     return out

@@ -1,0 +1,57 @@
+"""Device selection, the ResNet-18 and CIFAR-shaped synthetic data (CPU; the GPU tests are in tests/gpu)."""
+import numpy as np
+import pytest
+import torch
+
+from ulfmtrain.data.format import DatasetFile
+from ulfmtrain.data.sources import synthetic_dataset
+from ulfmtrain.device import local_rank, select_device
+from ulfmtrain.models import build_model
+from ulfmtrain.modes import UsageError
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+
+
+def test_cpu_and_auto_without_a_gpu_train_on_the_cpu():
+    assert select_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert select_device("auto") == torch.device("cpu")
+
+
+@no_gpu
+def test_cuda_without_a_gpu_is_one_line_naming_the_fix():
+    with pytest.raises(UsageError) as exc:
+        select_device("cuda")
+    msg = str(exc.value)
+    assert "\n" not in msg and "--device cpu" in msg and "GPU" in msg
+
+
+def test_the_local_rank_prefers_the_agent_s_true_value(monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "5")
+    monkeypatch.delenv("ULFMTRAIN_LOCAL_RANK", raising=False)
+    assert local_rank() == 5
+    monkeypatch.setenv("ULFMTRAIN_LOCAL_RANK", "1")   # the agent launch: Open MPI thinks every rank is local
+    assert local_rank() == 1
+
+
+def test_resnet18_for_32x32_images():
+    model = build_model("resnet18", classes=10, shape=(3, 32, 32))
+    assert 11_100_000 < sum(p.numel() for p in model.parameters()) < 11_200_000
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_resnet18_on_flat_records_says_how_to_make_images():
+    with pytest.raises(ValueError, match="--shape 3,32,32"):
+        build_model("resnet18", inputs=64, shape=(64,))
+
+
+def test_synthetic_images_in_cifar_shape(tmp_path):
+    p = synthetic_dataset(tmp_path / "c.ulfmds", records=300, classes=10, shape=(3, 32, 32), chunk_records=128)
+    flat = synthetic_dataset(tmp_path / "f.ulfmds", records=300, classes=10, features=3 * 32 * 32)
+    with DatasetFile(p) as ds, DatasetFile(flat) as dflat:
+        assert ds.fields[0][2] == (3, 32, 32) and ds.meta["classes"] == 10
+        x, xf = ds.read(0, ds.count), dflat.read(0, dflat.count)
+    assert x["x"].shape == (300, 3, 32, 32)
+    np.testing.assert_array_equal(x["x"].reshape(300, -1), xf["x"])     # the same values, in image shape
+    np.testing.assert_array_equal(x["y"], xf["y"])

@@ -1,0 +1,177 @@
+"""Gradient and buffer buckets: the flat buffers a step reduces, on CPU or staged from a GPU through pinned memory.
+
+MPI here has no CUDA support (the PyPI Open MPI is built without it, and
+ULFM excludes UCX), so a device bucket is copied device -> pinned host on a
+side CUDA stream, reduced on the host, and copied back.  The pinned send
+buffer keeps this rank's weighted contribution: a redone step reduces it
+again without recomputing anything.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+import torch
+
+# MPI has no bfloat16 and Open MPI's float16 reduction is not portable: half
+# precision travels as float32 (exact for the values, and a sum of N halves is
+# better in float32 anyway).
+STAGED = (torch.float16, torch.bfloat16)
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient of `dtype` travels as."""
+    return torch.float32 if dtype in STAGED else dtype
+
+
+class GradBucket:
+    """Parameters whose gradients travel in one flat buffer.
+
+    Gradients are views of `grad` (on the parameters' device), so backward
+    accumulates straight into the buffer (DDP's gradient_as_bucket_view).  On
+    CPU, a float32/float64 `grad` is the send buffer itself; half precision is
+    staged through float32.  On a GPU, `send` and `recv` are pinned host
+    buffers and `prepare` only enqueues the copy: `wait_staged` waits for it.
+    """
+
+    def __init__(self, params: list[torch.Tensor], index: int = 0) -> None:
+        self.params, self.index = params, index
+        self.sizes = [p.numel() for p in params]
+        n, dtype, self.device = sum(self.sizes), params[0].dtype, params[0].device
+        wire = wire_dtype(dtype)
+        self.grad = torch.zeros(n, dtype=dtype, device=self.device)
+        self.on_device = self.device.type != "cpu"
+        if self.on_device:
+            self.send = torch.zeros(n, dtype=wire, pin_memory=True)
+            self.recv = torch.zeros(n, dtype=wire, pin_memory=True)
+            # The weighted contribution on the device, in the wire dtype (the grad itself when they agree).
+            self._dev_wire = self.grad if wire == dtype else torch.zeros(n, dtype=wire, device=self.device)
+            self._stream = torch.cuda.Stream(self.device)
+            self._staged = torch.cuda.Event()
+        else:
+            self.send = self.grad if wire == dtype else torch.zeros(n, dtype=wire)
+            self.recv = torch.zeros(n, dtype=wire)
+        self.set_views()
+
+    @property
+    def nbytes(self) -> int:
+        return self.send.numel() * self.send.element_size()
+
+    def set_views(self) -> None:
+        """Make every parameter's .grad a view of the bucket (zeros until backward)."""
+        for p, g in zip(self.params, self.grad.split(self.sizes)):
+            p.grad = g.view_as(p)
+
+    def _grads_are_views(self) -> bool:
+        base, off = self.grad.data_ptr(), 0
+        for p, size in zip(self.params, self.sizes):
+            if p.grad is None or p.grad.data_ptr() != base + off * self.grad.element_size():
+                return False
+            off += size
+        return True
+
+    def prepare(self, weight: float) -> None:
+        """Put this rank's contribution (the gradients times its samples) in the send buffer."""
+        if not self._grads_are_views():      # zero_grad(set_to_none=True), or a user who replaced .grad
+            grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
+                     for p in self.params]
+            torch.cat(grads, out=self.grad)
+            self.set_views()
+        if not self.on_device:
+            if self.send is not self.grad:
+                self.send.copy_(self.grad)
+            if weight != 1.0:
+                self.send.mul_(weight)
+            return
+        # After everything backward queued on the current stream; the side stream lets the
+        # next buckets' backward run meanwhile.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            if self._dev_wire is not self.grad:
+                self._dev_wire.copy_(self.grad)
+            if weight != 1.0:
+                self._dev_wire.mul_(weight)
+            self.send.copy_(self._dev_wire, non_blocking=True)
+            self._staged.record(self._stream)
+
+    def wait_staged(self) -> None:
+        """Block (without the GIL) until the device -> host copy of prepare() is done."""
+        if self.on_device:
+            self._staged.synchronize()
+
+    def finish(self, scale: float) -> None:
+        """Hand the reduced mean back as the gradients."""
+        if self.on_device:
+            # Stream-ordered after this step's backward; recv is not written again before the next
+            # step's staging event, which comes after this copy on the same stream.
+            self.grad.copy_(self.recv, non_blocking=True)
+            self.grad.mul_(scale)
+            return
+        self.recv.mul_(scale)
+        if self.send is self.grad:
+            # The reduced buffer becomes the gradients, and next step's send buffer.
+            self.grad, self.send, self.recv = self.recv, self.recv, self.grad
+            self.set_views()
+        else:
+            self.grad.copy_(self.recv)
+
+
+class BufferBucket:
+    """Module buffers kept identical: floating ones averaged with the gradients, integer ones from rank 0."""
+
+    def __init__(self, buffers: list[torch.Tensor], floating: bool) -> None:
+        self.buffers, self.floating = buffers, floating
+        self.sizes = [b.numel() for b in buffers]
+        dtype = torch.float64 if floating else torch.int64
+        self.send = torch.zeros(sum(self.sizes), dtype=dtype)
+        self.recv = torch.zeros_like(self.send)
+
+    def prepare(self, weight: float, lowest: bool) -> None:
+        torch.cat([b.detach().reshape(-1).to("cpu", self.send.dtype) for b in self.buffers], out=self.send)
+        if self.floating:
+            self.send.mul_(weight)
+        elif not lowest:
+            self.send.zero_()          # a sum in which only rank 0 speaks is rank 0's value
+
+    def finish(self, scale: float) -> None:
+        if self.floating:
+            self.recv.mul_(scale)
+        with torch.no_grad():
+            for b, v in zip(self.buffers, self.recv.split(self.sizes)):
+                b.copy_(v.view_as(b))
+
+
+def make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[GradBucket]:
+    """Group params into buckets of about bucket_bytes, one dtype and device each.
+
+    Reverse registration order: about the order backward makes gradients
+    ready, the same on every rank (DDP's convention).
+    """
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if (not out or size + nbytes > bucket_bytes or p.dtype != out[-1][0].dtype
+                or p.device != out[-1][0].device):
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return [GradBucket(b, i) for i, b in enumerate(out)]
+
+
+def crc32_tensors(tensors: Iterable[torch.Tensor], crc: int = 0, chunk_bytes: int = 2**24) -> int:
+    """CRC32 of the tensors' bytes in order; a device tensor is read through one chunk-sized host buffer."""
+    staging: torch.Tensor | None = None
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)   # bytes of any dtype (bfloat16 too)
+        if flat.device.type == "cpu":
+            crc = zlib.crc32(flat.numpy().data, crc)
+            continue
+        if staging is None:
+            staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        for part in flat.split(chunk_bytes):
+            host = staging[:part.numel()]
+            host.copy_(part)
+            crc = zlib.crc32(host.numpy().data, crc)
+    return crc
