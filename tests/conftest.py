@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ulfmtrain.launch import mpirun_command, mpirun_prefix
@@ -28,6 +29,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+class FakeComm:
+    """Sums as if `size` ranks had sent the same contribution; records the size of every reduction."""
+
+    rank, next_attempt, step = 0, 0, 0
+
+    def __init__(self, size: int = 3) -> None:
+        self.size, self.sent = size, []
+
+    def reduce_try(self, send, recv, op=None):
+        self.sent.append(send.size)
+        np.multiply(send, self.size, out=recv)
+
+    def transaction(self, attempt, commit=None, *, what="step", before_agree=None):
+        result = attempt(0)
+        if commit is not None:
+            commit(result)
+        return result
+
+    def bcast_bytes(self, make, root=0):
+        return make()
+
+
+@pytest.fixture(scope="session")
+def fake_comm() -> type[FakeComm]:
+    """A one-process stand-in communicator, for pure logic (never proof that recovery works)."""
+    return FakeComm
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,33 +19,12 @@ from ulfmtrain.optim import FTSGD
 pytestmark = pytest.mark.cuda
 
 
-class FakeComm:
-    """Sums as if `size` ranks had sent the same contribution (pure logic of the staging)."""
-
-    rank, next_attempt, step = 0, 0, 0
-
-    def __init__(self, size: int = 3) -> None:
-        self.size = size
-
-    def reduce_try(self, send, recv, op=None):
-        np.multiply(send, self.size, out=recv)
-
-    def transaction(self, attempt, commit=None, *, what="step", before_agree=None):
-        result = attempt(0)
-        if commit is not None:
-            commit(result)
-        return result
-
-    def bcast_bytes(self, make):
-        return make()
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_device_buckets_are_staged_through_pinned_memory(dtype, overlap):
+def test_device_buckets_are_staged_through_pinned_memory(fake_comm, dtype, overlap):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).cuda().to(dtype)
-    opt = FTSGD(model.parameters(), FakeComm(), lr=0.1, model=model, bucket_bytes=2048, overlap=overlap)
+    opt = FTSGD(model.parameters(), fake_comm(), lr=0.1, model=model, bucket_bytes=2048, overlap=overlap)
     assert len(opt.buckets) >= 2
     for b in opt.buckets:
         assert b.grad.is_cuda and b.send.is_pinned() and b.recv.is_pinned() and not b.send.is_cuda
@@ -65,13 +43,13 @@ def test_device_buckets_are_staged_through_pinned_memory(dtype, overlap):
     opt.close()
 
 
-def test_checksum_of_device_tensors_equals_the_host_copy_s():
+def test_checksum_of_device_tensors_equals_the_host_copy_s(fake_comm):
     torch.manual_seed(0)
     model = torch.nn.Linear(300, 300).cuda()
-    opt = FTSGD(model.parameters(), FakeComm(), lr=0.1, model=model)
+    opt = FTSGD(model.parameters(), fake_comm(), lr=0.1, model=model)
     gpu = opt.checksum()
     model.cpu()
-    assert FTSGD(model.parameters(), FakeComm(), lr=0.1, model=model).checksum() == gpu
+    assert FTSGD(model.parameters(), fake_comm(), lr=0.1, model=model).checksum() == gpu
 
 
 def _train(tmp_path: Path, n: int, *extra: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict]:

@@ -1,5 +1,4 @@
 """The overlapped reduction's logic on a fake one-process communicator (pure logic, not proof of recovery)."""
-import numpy as np
 import pytest
 import torch
 
@@ -7,41 +6,19 @@ from ulfmtrain.optim import FTSGD
 from ulfmtrain.overlap import OverlapError
 
 
-class FakeComm:
-    """Sums as if `size` ranks had sent the same contribution; records the order of the reductions."""
-
-    rank, next_attempt, step = 0, 0, 0
-
-    def __init__(self, size=3):
-        self.size, self.sent = size, []
-
-    def reduce_try(self, send, recv, op=None):
-        self.sent.append(send.size)
-        np.multiply(send, self.size, out=recv)
-
-    def transaction(self, attempt, commit=None, *, what="step", before_agree=None):
-        result = attempt(0)
-        if commit is not None:
-            commit(result)
-        return result
-
-    def bcast_bytes(self, make):
-        return make()
-
-
-def make(overlap, bucket_bytes=256, unused=False):
+def make(fake_comm, overlap, bucket_bytes=256, unused=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     if unused:      # a parameter never in forward: its gradient never arrives
         model = torch.nn.ModuleDict({"net": model, "spare": torch.nn.Linear(16, 3)})
         model.forward = model["net"].forward
-    comm = FakeComm()
+    comm = fake_comm()
     return model, comm, FTSGD(model.parameters(), comm, lr=0.1, momentum=0.9, model=model,
                               bucket_bytes=bucket_bytes, overlap=overlap)
 
 
-def train(overlap, micro=1, steps=4, **kw):
-    model, comm, opt = make(overlap, **kw)
+def train(fake_comm, overlap, micro=1, steps=4, **kw):
+    model, comm, opt = make(fake_comm, overlap, **kw)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         opt.zero_grad()
@@ -57,22 +34,22 @@ def train(overlap, micro=1, steps=4, **kw):
 
 
 @pytest.mark.parametrize("micro", [1, 3])
-def test_overlap_gives_the_same_parameters_as_reducing_after_backward(micro):
-    a, ca = train(False, micro)
-    b, cb = train(True, micro)
+def test_overlap_gives_the_same_parameters_as_reducing_after_backward(fake_comm, micro):
+    a, ca = train(fake_comm, False, micro)
+    b, cb = train(fake_comm, True, micro)
     assert len(a.buckets) >= 3
     assert a.checksum() == b.checksum()
     assert ca.sent == cb.sent               # the same reductions in the same order: buckets, count
 
 
-def test_a_parameter_without_gradient_does_not_hold_back_its_bucket():
-    a, _ = train(False, unused=True)
-    b, _ = train(True, unused=True)
+def test_a_parameter_without_gradient_does_not_hold_back_its_bucket(fake_comm):
+    a, _ = train(fake_comm, False, unused=True)
+    b, _ = train(fake_comm, True, unused=True)
     assert a.checksum() == b.checksum()
 
 
-def test_a_second_backward_outside_no_sync_is_refused():
-    model, _, opt = make(True)
+def test_a_second_backward_outside_no_sync_is_refused(fake_comm):
+    model, _, opt = make(fake_comm, True)
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
     opt.zero_grad()
     opt.begin_step(5)
@@ -81,8 +58,8 @@ def test_a_second_backward_outside_no_sync_is_refused():
         torch.nn.functional.cross_entropy(model(x), y).backward()
 
 
-def test_samples_given_after_an_overlapped_backward_must_match_begin_step():
-    model, _, opt = make(True)
+def test_samples_given_after_an_overlapped_backward_must_match_begin_step(fake_comm):
+    model, _, opt = make(fake_comm, True)
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()     # weighted 1: no begin_step
