@@ -171,5 +171,6 @@ def fit_with_reinit(trainer: Any, build: Callable[[ReinitComm, list[Kill], bool]
             job = replacement_job(job, dead)
             if hasattr(trainer.log, "close"):
                 trainer.log.close()
+            trainer.opt.close()                   # its hooks and thread (overlap) must not outlive it
             trainer = build(comm, kills, True)    # reads the whole shard again and resumes
             trainer.log("reinit", **info)
