@@ -95,7 +95,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         argv += ["--spares", str(args.spares)]
     try:
         return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg,
-                      rsh=args.agent, net=args.net)
+                      rsh=args.agent, net=args.net, keepalive=args.keepalive)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -161,9 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start K more ranks as hot spares for the train command")
     p.add_argument("--hostfile", default=None, help="hosts for a multi-node run (adds --mca coll ^han)")
     p.add_argument("--agent", default=None, metavar="RSH",
-                   help="no daemon on the hosts: start each rank through RSH (e.g. 'ssh -o ServerAliveInterval=1 "
-                        "-o ServerAliveCountMax=3'), so a whole host can die; needs --hostfile and --net")
+                   help="no daemon on the hosts: start each rank through RSH (e.g. ssh), so a whole host can die; "
+                        "needs --hostfile and --net")
     p.add_argument("--net", default=None, metavar="CIDR", help="with --agent: the cluster network, e.g. 10.0.0.0/24")
+    p.add_argument("--keepalive", type=float, default=None, metavar="S",
+                   help="with --agent: a host silent for S seconds (link cut, frozen) is dropped, and stops "
+                        "itself (default 10; ssh gets matching ServerAlive options)")
     p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ...")
 

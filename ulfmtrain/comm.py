@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from . import _ftcoll, lifecycle
+from . import _ftcoll, lifecycle, tether
 
 T = TypeVar("T")
 FaultPathError = _ftcoll.FaultPathError
@@ -173,6 +173,8 @@ class FaultTolerantComm(_CommBase):
         if check:
             require_fault_tolerance()
         self._setup(_fault_tolerant_dup(comm or MPI.COMM_WORLD))
+        # An agent launch: a repair commits only once the head confirms it (no split brain; tether.py).
+        tether.install(self)
         lifecycle.arm_at_exit()
 
     # -- the transaction -------------------------------------------------

@@ -1,7 +1,9 @@
 """Start mpirun with the flags fault tolerance needs on this machine."""
 from __future__ import annotations
 
+import ipaddress
 import json
+import math
 import os
 import shlex
 import shutil
@@ -72,14 +74,36 @@ def rank_hosts(hostfile: str, n: int) -> list[str]:
     return hosts[:n]
 
 
-def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str,
-                 mpirun_args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+DEFAULT_KEEPALIVE = 10.0
+
+
+def ssh_keepalive(rsh: list[str], keepalive: float) -> list[str]:
+    """ssh's own keep-alives derived from the bound: it gives up after about `keepalive` seconds of silence."""
+    if not rsh or Path(rsh[0]).name != "ssh":
+        return rsh
+    interval = max(1, round(keepalive / 3))
+    count = max(1, int(keepalive // interval))   # ssh gives up after about interval * count s of silence
+    return [rsh[0], "-o", f"ServerAliveInterval={interval}", "-o", f"ServerAliveCountMax={count}",
+            "-o", f"ConnectTimeout={max(1, math.ceil(keepalive))}", *rsh[1:]]
+
+
+def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_args: Sequence[str] = (), *,
+                 keepalive: float = DEFAULT_KEEPALIVE, directory: str = "") -> tuple[list[str], dict[str, str]]:
     """mpirun with its only daemon here, every rank started on its host by the exec agent; and its environment.
 
     The PMIx server listens on the cluster network NET (a CIDR); shared memory
-    stays off (Open MPI believes every rank is local), and so does han.
+    stays off (Open MPI believes every rank is local), and so does han.  Each
+    rank runs under a tether that keeps a link to its agent alive: a host
+    silent for `keepalive` seconds is dropped (agent.py, tether.py).
+    directory holds the agents' lock files (the launch's own temporary folder).
     """
-    plan = {"rsh": shlex.split(rsh), "hosts": rank_hosts(hostfile, n)}
+    if not (isinstance(keepalive, (int, float)) and math.isfinite(keepalive) and keepalive > 0):
+        raise ValueError(f"--keepalive {keepalive!r}: give a positive number of seconds (default "
+                         f"{DEFAULT_KEEPALIVE:g})")
+    ipaddress.ip_network(net, strict=False)      # a bad CIDR stops here, with its own message
+    tether = [sys.executable, "-P", str(Path(__file__).with_name("tether.py"))]
+    plan = {"rsh": ssh_keepalive(shlex.split(rsh), keepalive), "hosts": rank_hosts(hostfile, n), "net": net,
+            "keepalive": keepalive, "tether": tether, "dir": directory}
     cmd = [find_mpirun(), "--with-ft", "ulfm", "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
            "--bind-to", "none", "--prtemca", "odls_base_exec_agent", agent,
            "--prtemca", "pmix_remote_connections", "1", "--pmixmca", "ptl_tcp_if_include", net,
@@ -92,22 +116,28 @@ def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str,
 
 def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
            mpirun_args: Sequence[str] = (), timeout: float | None = None,
-           rsh: str | None = None, net: str | None = None) -> int:
+           rsh: str | None = None, net: str | None = None, keepalive: float | None = None) -> int:
     """Run the job and return mpirun's exit code (judge success by what the ranks wrote).
 
     With rsh (and a hostfile and net): no daemon on the compute hosts, so the
-    loss of a whole host is survived (see ulfmtrain/agent.py).
+    loss of a whole host is survived (see ulfmtrain/agent.py); a silent host
+    is dropped after `keepalive` seconds (default 10).
     """
     if rsh is None:
+        if keepalive is not None:
+            raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
         return subprocess.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args),
                               timeout=timeout).returncode
     if not (hostfile and net):
         raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
     with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
-        # PRRTE execs the agent by path: a one-line wrapper around this Python.
+        # PRRTE execs the agent by path: a one-line wrapper around this Python.  agent.py runs as a
+        # file, not as a module of the package, whose import would initialize MPI in the agent.
         agent = Path(tmp) / "agent"
-        agent.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -P -m ulfmtrain.agent "$@"\n')
+        agent.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -P '
+                         f'{shlex.quote(str(Path(__file__).with_name("agent.py")))} "$@"\n')
         agent.chmod(0o755)
-        cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args)
+        cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args,
+                                keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp)
         cmd += [sys.executable, "-P", "-m", "ulfmtrain", *argv]
         return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,16 @@ def sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
 
-@pytest.fixture
-def two_hosts(tmp_path):
+def namespace_hosts(tmp_path: Path, n: int):
+    """n hosts, each a network namespace on one bridge, plus mpirun's "ssh HOST CMD" for them and a hostfile.
+
+    Each host's stderr goes to tmp_path/HOST.err, as a real host's would stay on it.
+    """
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
         pytest.skip("network namespaces need root, iproute2 and unshare")
     tag = f"ulfm{os.getpid() % 100000}"
-    bridge, hosts = f"{tag}br", {f"{SUBNET}.1": f"{tag}a", f"{SUBNET}.2": f"{tag}b"}
+    bridge = f"{tag}br"
+    hosts = {f"{SUBNET}.{i + 1}": f"{tag}{chr(ord('a') + i)}" for i in range(n)}
     try:
         sh("ip", "netns", "add", bridge)
     except subprocess.CalledProcessError as exc:
@@ -52,25 +57,57 @@ def two_hosts(tmp_path):
         agent = tmp_path / "agent.sh"
         cases = "\n".join(f"  {a}) ns={n};;" for a, n in hosts.items())
         agent.write_text(f'#!/bin/sh\nhost=$1; shift\ncase "$host" in\n{cases}\n  *) exit 1;;\nesac\n'
-                         'exec ip netns exec $ns unshare --uts sh -c "hostname $host; $*"\n')
+                         f'exec ip netns exec $ns unshare --uts sh -c "hostname $host; $*" 2>>{tmp_path}/$host.err\n')
         agent.chmod(0o755)
         hostfile = tmp_path / "hosts"
         hostfile.write_text("".join(f"{a} slots=2\n" for a in hosts))
         yield hosts, agent, hostfile
     finally:
+        for ns in hosts.values():       # what a test left running on its hosts (a frozen host included)
+            signal_host(ns, "KILL")
         for ns in [*hosts.values(), bridge]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-def power_cut(ns: str) -> list[str]:
-    """Every process of the namespace host SIGKILLed and its links down: it neither runs nor answers."""
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+@pytest.fixture
+def two_hosts(tmp_path):
+    yield from namespace_hosts(tmp_path, 2)
+
+
+@pytest.fixture
+def three_hosts(tmp_path):
+    yield from namespace_hosts(tmp_path, 3)
+
+
+def signal_host(ns: str, sig: str) -> list[str]:
+    """Send sig to every process of the namespace host (by pid); return the pids."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
     for pid in pids:
-        subprocess.run(["kill", "-9", pid], capture_output=True)
+        subprocess.run(["kill", f"-{sig}", pid], capture_output=True)
+    return pids
+
+
+def links_down(ns: str) -> None:
+    """Every link of the host but loopback down: it neither sends nor answers (`ip link set ... down`)."""
     links = subprocess.run(["ip", "-n", ns, "-o", "link", "show"], capture_output=True, text=True).stdout
     for name in (line.split(":")[1].strip().split("@")[0] for line in links.splitlines()):
         if name != "lo":
             subprocess.run(["ip", "-n", ns, "link", "set", name, "down"], capture_output=True)
+
+
+def power_cut(ns: str, silent: bool = False) -> list[str]:
+    """The namespace host stops at once: it neither runs nor answers.
+
+    By default every process of it is SIGKILLed, then its links go down: its kernel closes their sockets
+    first, as when a host's processes die.  silent: its links go down first and its processes are frozen
+    (SIGSTOP), so nothing of it is heard again, as with real power loss; the fixture kills them at the end.
+    (Killed processes would be seen at once by their parents, which in these tests are on the head host.)
+    """
+    if silent:
+        links_down(ns)
+        return signal_host(ns, "STOP")
+    pids = signal_host(ns, "KILL")
+    links_down(ns)
     return pids
 
 
@@ -187,3 +224,190 @@ def test_supervise_drops_a_dead_host_and_resumes(two_hosts, digits_dir, tmp_path
     resume = next(x for x in logs[0] if x["event"] == "resume")
     assert resume["step"] >= 40 and resume["ckpt_world"] == 4 and resume["world"] == 2
     assert json.loads((out / "summary.json").read_text())["epochs"] == 6
+
+
+# -- the agent launch: hosts lost, cut off and frozen -------------------------
+KEEPALIVE = 3.0      # the bound the tests launch with: short, yet no false alarm on a loaded 2-core machine
+
+
+def start_agent_job(hosts: dict, agent: Path, hostfile: Path, head: str, n: int, out: Path,
+                    train: list[str], digits_dir: Path) -> subprocess.Popen:
+    """`launch --agent` run from the head host's namespace (mpirun and its daemon live there only)."""
+    launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", str(n), "--hostfile", str(hostfile),
+              "--agent", str(agent), "--net", f"{SUBNET}.0/24", "--keepalive", str(KEEPALIVE), "--",
+              "train", "--data", str(digits_dir), "--out", str(out), "--model", "mlp", "--no-progress", *train]
+    inner = " ".join(f"'{x}'" for x in launch)
+    return subprocess.Popen(["ip", "netns", "exec", hosts[head], "unshare", "--uts", "sh", "-c",
+                             f"hostname {head}; exec {inner}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def steps_of(out: Path, rank: int) -> int:
+    logs = read_rank_logs(out) if out.exists() else {}
+    return sum(x["event"] == "step" for x in logs.get(rank, []))
+
+
+def wait_for(cond, proc: subprocess.Popen, timeout: float) -> bool:
+    """Poll cond() every 50 ms while the job runs; True once it holds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout and proc.poll() is None:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def finished(proc: subprocess.Popen, tmp_path: Path, timeout: float = 150) -> str:
+    """Wait for mpirun; return its output's tail and every host's stderr, for assertion messages."""
+    stdout, stderr = proc.communicate(timeout=timeout)
+    errs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("*.err")))
+    return stdout[-1500:] + stderr[-2500:] + errs
+
+
+def check_survivors(logs: dict, survivors: list[int], history: list[int]) -> dict:
+    """The survivors finished with the given world history and one replica; return the lowest one's end."""
+    ends = {r: [x for x in recs if x["event"] == "end"] for r, recs in logs.items()}
+    assert sorted(r for r, e in ends.items() if e) == survivors
+    for r in survivors:
+        assert ends[r][0]["world_history"] == history and ends[r][0]["consistent"], ends[r][0]
+    assert len({ends[r][0]["checksum"] for r in survivors}) == 1
+    return ends[survivors[0]][0]
+
+
+def timings(logs: dict, rank: int, t_fault: float) -> list[str]:
+    """Detection (fault to the survivor's error) and repair (revoke, shrink, agree, head confirm, redo) per loss."""
+    parts = ("commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "head_confirm_ms", "redo_ms")
+    rows = []
+    for rec in (x for x in logs[rank] if x["event"] == "recovery"):
+        repair = sum(rec.get(k, 0.0) for k in parts)
+        rows.append(f"removed {rec['removed']}: detected {rec['wall_error'] - t_fault:.2f} s after the fault, "
+                    f"repaired in {repair:.1f} ms (" + ", ".join(f"{k[:-3]} {rec.get(k, 0.0):.1f}" for k in parts)
+                    + ")")
+    return rows
+
+
+def audit_ok(out: Path) -> str:
+    """`python -m ulfmtrain audit OUT` passes (every record exactly once per epoch); return its table."""
+    proc = subprocess.run([sys.executable, "-P", "-m", "ulfmtrain", "audit", str(out)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "every record exactly once per epoch" in proc.stdout, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_agent_launch_survives_a_power_cut_of_one_of_three_hosts(three_hosts, digits_dir, tmp_path):
+    """6 ranks on 3 hosts; host c loses power (links first: no peer hears anything): the head drops it after
+    the keep-alive bound, and hosts a and b finish with one replica and an exact audit."""
+    hosts, agent, hostfile = three_hosts
+    a, b, c = list(hosts)
+    out = tmp_path / "out"
+    proc = start_agent_job(hosts, agent, hostfile, a, 6, out, ["--epochs", "8", "--audit"], digits_dir)
+    assert wait_for(lambda: steps_of(out, 0) >= 30, proc, 100), "training never reached step 30"
+    t_cut = time.time()
+    power_cut(hosts[c], silent=True)
+    diag = finished(proc, tmp_path)
+    logs = read_rank_logs(out)
+    starts = {r: next(x for x in recs if x["event"] == "start") for r, recs in logs.items()}
+    assert [starts[r]["host"] for r in range(6)] == [a, a, b, b, c, c], diag
+    check_survivors(logs, [0, 1, 2, 3], [6, 4])
+    rows = timings(logs, 0, t_cut)
+    assert len(rows) == 1, rows
+    detected = next(x for x in logs[0] if x["event"] == "recovery")["wall_error"] - t_cut
+    assert KEEPALIVE * 2 / 3 - 0.2 <= detected <= KEEPALIVE + 3, (detected, diag)    # silent: only the keep-alive tells
+    audit_ok(out)
+    print(f"\npower cut of 1 of 3 hosts (keep-alive {KEEPALIVE:g} s): " + "; ".join(rows))
+
+
+@pytest.mark.slow
+def test_agent_launch_survives_two_hosts_lost_in_turn(three_hosts, digits_dir, tmp_path):
+    """6 ranks on 3 hosts; every process of host c killed, then every process of host b: world 6 -> 4 -> 2."""
+    hosts, agent, hostfile = three_hosts
+    a, b, c = list(hosts)
+    out = tmp_path / "out"
+    proc = start_agent_job(hosts, agent, hostfile, a, 6, out, ["--epochs", "10", "--audit"], digits_dir)
+    t_kill = []
+    for host, at in ((c, 25), (b, 55)):
+        assert wait_for(lambda at=at: steps_of(out, 0) >= at, proc, 100), f"training never reached step {at}"
+        t_kill.append(time.time())
+        assert power_cut(hosts[host])
+    diag = finished(proc, tmp_path)
+    logs = read_rank_logs(out)
+    check_survivors(logs, [0, 1], [6, 4, 2])
+    recs = [x for x in logs[0] if x["event"] == "recovery"]
+    assert [x["removed"] for x in recs] == [[4, 5], [2, 3]], diag
+    audit_ok(out)
+    print("\nhosts c then b killed: " + "; ".join(timings(logs, 0, t_kill[0])[:1] + timings(logs, 0, t_kill[1])[1:]))
+
+
+def _cut_off_side_stopped(hosts: dict, ns: str, tmp_path: Path, logs: dict, cut_ranks: list[int],
+                          ckpt: Path, deadline: float) -> None:
+    """The cut-off ranks are gone, each with its one line, and committed nothing that the head's side did not."""
+    while signal_host(ns, "0") and time.time() < deadline:
+        time.sleep(0.2)
+    assert not signal_host(ns, "0"), "the cut-off host still runs processes"
+    host = next(h for h, n in hosts.items() if n == ns)
+    lines = [x for x in (tmp_path / f"{host}.err").read_text().splitlines() if " stopped: " in x]
+    assert sorted(int(x.split("rank ")[1].split()[0]) for x in lines) == cut_ranks, lines
+    assert all("only the side that reaches the head node goes on" in x for x in lines)
+    survivors = sorted(set(logs) - set(cut_ranks))
+    last_whole = max(x["step"] for x in logs[survivors[0]] if x["event"] == "step" and x["world"] == len(logs))
+    for r in cut_ranks:
+        kinds = {x["event"] for x in logs[r]}
+        assert not kinds & {"recovery", "end"}, (r, kinds)
+        assert max(x["step"] for x in logs[r] if x["event"] == "step") <= last_whole
+    from ulfmtrain.checkpoint.format import list_checkpoints, read_checkpoint
+    for step, path in list_checkpoints(ckpt):     # a checkpoint of the whole world predates the cut
+        world = read_checkpoint(path).header["world_size"]
+        assert world == len(survivors) or step <= last_whole + 1, (step, world)
+
+
+def test_agent_launch_cut_link_only_the_head_side_goes_on(two_hosts, digits_dir, tmp_path):
+    """Ranks 0 and 1 (the writers) on host b, mpirun on host a; b's link is cut: a's ranks go on after the
+    keep-alive bound and write the summary; b's ranks stop with one line each and commit nothing more."""
+    hosts, agent, _ = two_hosts
+    a, b = list(hosts)
+    hostfile = tmp_path / "hosts-b-first"
+    hostfile.write_text(f"{b} slots=2\n{a} slots=2\n")
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    proc = start_agent_job(hosts, agent, hostfile, a, 4, out,
+                           ["--epochs", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "10"], digits_dir)
+    assert wait_for(lambda: steps_of(out, 2) >= 30, proc, 100), "training never reached step 30"
+    t_cut = time.time()
+    links_down(hosts[b])
+    diag = finished(proc, tmp_path)
+    logs = read_rank_logs(out)
+    end = check_survivors(logs, [2, 3], [4, 2])
+    assert end["alive"] == [2, 3], diag
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["alive"] == [2, 3] and summary["epochs"] == 6
+    detected = next(x for x in logs[2] if x["event"] == "recovery")["wall_error"] - t_cut
+    assert KEEPALIVE * 2 / 3 - 0.2 <= detected <= KEEPALIVE + 3, (detected, diag)
+    _cut_off_side_stopped(hosts, hosts[b], tmp_path, logs, [0, 1], ckpt, t_cut + 2 * KEEPALIVE + 10)
+    print(f"\nlink of host b cut (keep-alive {KEEPALIVE:g} s): " + "; ".join(timings(logs, 2, t_cut)))
+
+
+def test_agent_launch_frozen_host_is_dropped_and_stops_when_it_wakes(two_hosts, digits_dir, tmp_path):
+    """Every process of host b (ranks 0 and 1) SIGSTOPped: a's ranks go on after the keep-alive bound; when b
+    wakes (SIGCONT) in mid-training, its ranks stop with one line each and commit nothing more."""
+    hosts, agent, _ = two_hosts
+    a, b = list(hosts)
+    hostfile = tmp_path / "hosts-b-first"
+    hostfile.write_text(f"{b} slots=2\n{a} slots=2\n")
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    proc = start_agent_job(hosts, agent, hostfile, a, 4, out,
+                           ["--epochs", "8", "--ckpt-dir", str(ckpt), "--ckpt-every", "10"], digits_dir)
+    assert wait_for(lambda: steps_of(out, 2) >= 30, proc, 100), "training never reached step 30"
+    t_freeze = time.time()
+    assert signal_host(hosts[b], "STOP")
+    repaired = wait_for(lambda: any(x["event"] == "recovery" for x in read_rank_logs(out).get(2, [])), proc, 60)
+    t_wake = time.time()
+    signal_host(hosts[b], "CONT")
+    diag = finished(proc, tmp_path)
+    assert repaired, "host a's ranks never repaired: " + diag
+    logs = read_rank_logs(out)
+    check_survivors(logs, [2, 3], [4, 2])
+    assert json.loads((out / "summary.json").read_text())["alive"] == [2, 3]
+    assert max(x["step"] for x in logs[2] if x["event"] == "step") > 30 + 20, "b woke up after the end"
+    detected = next(x for x in logs[2] if x["event"] == "recovery")["wall_error"] - t_freeze
+    assert KEEPALIVE * 2 / 3 - 0.2 <= detected <= KEEPALIVE + 3, (detected, diag)
+    _cut_off_side_stopped(hosts, hosts[b], tmp_path, logs, [0, 1], ckpt, t_wake + KEEPALIVE + 10)
+    print(f"\nhost b frozen (keep-alive {KEEPALIVE:g} s): " + "; ".join(timings(logs, 2, t_freeze)))
