@@ -122,7 +122,8 @@ class Tether:
                     for line in got or ():
                         self.send_head(line)      # "c R,R": a confirm request
             if time.monotonic() - last > self.keepalive:
-                self.lost(f"no answer from the head node for {self.keepalive:g} s (link cut or head down)")
+                self.lost(f"no answer from the head node for {self.keepalive:g} s "
+                          "(link cut, head down, or this host frozen)")
 
 
 def main(app: list[str]) -> None:
@@ -149,8 +150,11 @@ def main(app: list[str]) -> None:
 _link: socket.socket | None = None
 
 
-def confirm(removed: list[int]) -> str:
-    """Ask the head, through the tether, whether this rank may commit a repair that removed `removed`."""
+def confirm(removed: list[int]) -> tuple[bool, str]:
+    """Ask the head, through the tether, whether this rank may commit a repair that removed `removed`.
+
+    Returns (True, "") or (False, why).
+    """
     global _link
     if _link is None:
         _link = socket.socket(fileno=int(os.environ[FD_ENV]))
@@ -162,23 +166,25 @@ def confirm(removed: list[int]) -> str:
         while not answer.endswith(b"\n"):
             part = _link.recv(256)
             if not part:
-                return "the tether is gone"
+                return False, "its tether is gone"
             answer += part
     except OSError as exc:
-        return f"no answer from the tether ({exc})"
-    return answer.decode().strip()
+        return False, f"no answer from its tether ({exc})"
+    text = answer.decode().strip()
+    if text == "ok":
+        return True, ""
+    if text.startswith("no "):
+        return False, f"the head node still counts rank(s) {text[3:]} that this side's repair removed"
+    return False, f"an answer the head never sends ({text!r})"
 
 
 def gate(event: Any) -> None:
     """A repair listener: go on only if the head confirms this rank and the removal; else stop here."""
     t0 = time.perf_counter()
-    answer = confirm(list(event.removed))
-    if answer == "ok":
-        event.extra["head_confirm_ms"] = (time.perf_counter() - t0) * 1e3
-        return
-    if answer.startswith("no "):
-        stop(f"the head node still counts rank(s) {answer[3:]} that this side's repair removed")
-    stop(f"the head node did not confirm this rank after a repair ({answer})")
+    ok, why = confirm(list(event.removed))
+    if not ok:
+        stop(f"the head node did not confirm this repair: {why}")
+    event.extra["head_confirm_ms"] = (time.perf_counter() - t0) * 1e3
 
 
 def install(comm: Any) -> None:
