@@ -100,7 +100,10 @@ def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_a
     if not (isinstance(keepalive, (int, float)) and math.isfinite(keepalive) and keepalive > 0):
         raise ValueError(f"--keepalive {keepalive!r}: give a positive number of seconds (default "
                          f"{DEFAULT_KEEPALIVE:g})")
-    ipaddress.ip_network(net, strict=False)      # a bad CIDR stops here, with its own message
+    try:
+        ipaddress.ip_network(net, strict=False)
+    except ValueError:
+        raise ValueError(f"--net {net!r} is not a network in CIDR form: give one like 10.0.0.0/24") from None
     tether = [sys.executable, "-P", str(Path(__file__).with_name("tether.py"))]
     plan = {"rsh": ssh_keepalive(shlex.split(rsh), keepalive), "hosts": rank_hosts(hostfile, n), "net": net,
             "keepalive": keepalive, "tether": tether, "dir": directory}

@@ -425,3 +425,58 @@ def test_agent_launch_frozen_host_is_dropped_and_stops_when_it_wakes(two_hosts, 
     assert KEEPALIVE * 2 / 3 - 0.2 <= detected <= KEEPALIVE + 3, (detected, diag)
     _cut_off_side_stopped(hosts, hosts[b], tmp_path, logs, [0, 1], ckpt, t_wake + KEEPALIVE + 10)
     print(f"\nhost b frozen (keep-alive {KEEPALIVE:g} s): " + "; ".join(timings(logs, 2, t_freeze)))
+
+
+def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):
+    """The survivors' side of the rule, on one host: each rank runs under the real tether, whose "head" is
+    a stand-in that answers pings and refuses every repair (as the head would for ranks that removed others
+    it still counts).  Rank 2 is killed: ranks 0 and 1 repair, are refused, and stop with one line each
+    before they log the repair or any further step."""
+    import socket
+    import threading
+
+    from ulfmtrain import agent as agent_mod
+    from ulfmtrain.launch import mpirun_prefix
+
+    head = socket.create_server(("127.0.0.1", 0))
+    refused: list[str] = []
+
+    def serve(conn: socket.socket) -> None:
+        with conn, conn.makefile("rwb", buffering=0) as f:
+            for line in f:
+                if line.startswith(b"c "):
+                    refused.append(line.decode().strip())
+                    f.write(b"c no 2\n")
+                elif line == b"p\n":
+                    f.write(b"p\n")
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = head.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    out = tmp_path / "out"
+    tether = Path(agent_mod.__file__).with_name("tether.py")
+    cmd = [*mpirun_prefix(3), sys.executable, "-P", str(tether), sys.executable, "-P", "-m", "ulfmtrain", "train",
+           "--data", str(digits_dir), "--out", str(out), "--epochs", "3", "--model", "mlp", "--no-progress",
+           "--kill", "2@20"]
+    env = {**os.environ, "ULFMTRAIN_HEAD": f"127.0.0.1:{head.getsockname()[1]}",
+           "ULFMTRAIN_KEEPALIVE": str(KEEPALIVE)}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        head.close()
+    diag = proc.stdout[-1500:] + proc.stderr[-2500:]
+    lines = [x for x in proc.stderr.splitlines() if " stopped: " in x]
+    assert sorted(x.split("rank ")[1].split()[0] for x in lines) == ["0", "1"], diag
+    assert all("the head node still counts rank(s) 2 that this side's repair removed" in x for x in lines), lines
+    assert sorted(refused) == ["c 2", "c 2"], refused
+    logs = read_rank_logs(out)
+    for r in (0, 1):
+        assert not {x["event"] for x in logs[r]} & {"recovery", "end"}, logs[r][-3:]
+        assert max(x["step"] for x in logs[r] if x["event"] == "step") < 21
+    assert not (out / "summary.json").exists()

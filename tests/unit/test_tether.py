@@ -128,3 +128,29 @@ def test_ssh_gets_keepalives_within_the_bound():
     opts = dict(x.split("=") for x in cmd[1:-1] if "=" in x)
     assert int(opts["ServerAliveInterval"]) * int(opts["ServerAliveCountMax"]) <= 10
     assert ssh_keepalive(["/usr/bin/ip", "netns", "exec"], 10) == ["/usr/bin/ip", "netns", "exec"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--keepalive", "0"], "--keepalive 0.0: give a positive number of seconds"),
+    (["--keepalive", "nan"], "--keepalive nan: give a positive number of seconds"),
+    (["--net", "10.0.0.0/33"], "--net '10.0.0.0/33' is not a network in CIDR form"),
+])
+def test_bad_agent_options_are_named(tmp_path, capsys, args, message):
+    from ulfmtrain.cli import main
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\n")
+    opts = {"--net": "10.0.0.0/24", "--keepalive": "5"}
+    opts.update(zip(args[::2], args[1::2]))
+    argv = ["launch", "-n", "2", "--hostfile", str(hostfile), "--agent", "ssh",
+            *[x for kv in opts.items() for x in kv], "--", "train"]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_keepalive_needs_the_agent_launch(capsys):
+    from ulfmtrain.cli import main
+
+    assert main(["launch", "-n", "2", "--keepalive", "5", "--", "train"]) == 2
+    err = capsys.readouterr().err
+    assert "--keepalive bounds the agent launch's detection of a silent host: add --agent RSH" in err
