@@ -41,10 +41,15 @@ def _where() -> str:
     return f"rank {os.environ.get('PMIX_RANK', '?')} on {os.environ.get('ULFMTRAIN_HOST', socket.gethostname())}"
 
 
-def stop(why: str) -> NoReturn:
-    """The one line of a rank that may not go on, then SIGKILL (nothing more is written)."""
+def say_stopped(why: str) -> None:
+    """The one line of a rank that may not go on."""
     print(f"{PROG}: {_where()} stopped: {why}; only the side that reaches the head node goes on",
           file=sys.stderr, flush=True)
+
+
+def stop(why: str) -> NoReturn:
+    """In the rank: the one line, then SIGKILL (nothing more is written)."""
+    say_stopped(why)
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable: SIGKILL cannot be caught")
 
@@ -61,8 +66,7 @@ class Tether:
     def lost(self, why: str) -> NoReturn:
         self.child.kill()             # the rank first: it must write nothing more
         self.child.wait()
-        print(f"{PROG}: {_where()} stopped: {why}; only the side that reaches the head node goes on",
-              file=sys.stderr, flush=True)
+        say_stopped(why)
         sys.exit(1)
 
     def send_head(self, line: str) -> None:
@@ -111,7 +115,10 @@ class Tether:
                         self.lost("the head node closed its keep-alive link (it counts this rank as dead)")
                     for line in got or ():
                         if line.startswith("c "):
-                            self.rank_end.sendall(line[2:].encode() + b"\n")
+                            try:
+                                self.rank_end.sendall(line[2:].encode() + b"\n")
+                            except OSError:
+                                pass      # the rank is ending: its exit comes next
                         elif line == "t":
                             self.child.terminate()
                     last = time.monotonic()
