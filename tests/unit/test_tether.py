@@ -154,3 +154,30 @@ def test_keepalive_needs_the_agent_launch(capsys):
     assert main(["launch", "-n", "2", "--keepalive", "5", "--", "train"]) == 2
     err = capsys.readouterr().err
     assert "--keepalive bounds the agent launch's detection of a silent host: add --agent RSH" in err
+
+
+@pytest.mark.parametrize("path", [AGENT, TETHER])
+def test_agent_and_tether_import_the_standard_library_only(path):
+    """PRRTE starts them by path in a process with PMIX_RANK set: importing ulfmtrain (or mpi4py) there
+    would initialize MPI in them, a second PMIx client for the rank."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+    relative = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+    assert not relative and names <= set(sys.stdlib_module_names) | {"__future__"}, (names, relative)
+
+
+def test_the_remote_command_runs_the_rank_under_its_tether():
+    import shlex
+
+    from ulfmtrain.agent import rank_command
+
+    plan = {"rsh": ["ssh"], "hosts": ["a", "b"], "keepalive": 4.0, "tether": ["py", "-P", "/x/tether.py"]}
+    remote = shlex.split(rank_command(plan, 1, ["py", "-m", "ulfmtrain", "train"], {}, head="10.0.0.1:5000")[2])
+    i = remote.index("/x/tether.py")
+    assert remote[i - 2:] == ["py", "-P", "/x/tether.py", "py", "-m", "ulfmtrain", "train"]
+    env = dict(x.split("=", 1) for x in remote[1:i - 2])
+    assert env["ULFMTRAIN_HEAD"] == "10.0.0.1:5000" and env["ULFMTRAIN_KEEPALIVE"] == "4.0"
