@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from .job import DEFAULT_BATCH, DEFAULT_BUCKET_BYTES, TrainJob
-from .modes import PROG, CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, UsageError, choices
+from .modes import PROG, CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, Replace, UsageError, choices
 
 T = TypeVar("T")
 
@@ -44,6 +44,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="the last K ranks are hot spares: they wait, and take a dead rank's slot with the "
                         "survivors' live state (launch -n N --spares K starts N + K ranks)")
+    p.add_argument("--replace", choices=choices(Replace), default=Replace.NONE.value,
+                   help="respawn: once no spare is left, spawn replacements in the background while the "
+                        "survivors train on; they join at a step boundary with the live state (and refill "
+                        "the spares)")
     p.add_argument("--finalize-timeout", type=float, default=5.0,
                    help="seconds MPI_Finalize may take before the rank exits anyway")
     g = p.add_argument_group("recovery mode and checkpoints (see docs/recovery-modes.md)")

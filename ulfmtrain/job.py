@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .faults import parse_kill
-from .modes import CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, UsageError
+from .modes import CheckpointStrategy, DataPolicy, Phase, Recovery, Reload, Replace, UsageError
 
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import Checkpointer
@@ -66,6 +66,7 @@ class TrainJob:
     out: Path = Path("ulfmtrain-out")
     finalize_timeout: float = 5.0
     spares: int = 0                   # the last K ranks wait and take dead ranks' slots (shrink mode)
+    replacement: Replace = Replace.NONE   # --replace respawn: spawned processes refill empty slots and the spares
 
     # -- from and to the command line -----------------------------------------
     @classmethod
@@ -81,7 +82,7 @@ class TrainJob:
         ckpt = CheckpointOptions(path(ns.ckpt_dir), ns.ckpt_every, ns.ckpt_epoch, CheckpointStrategy(ns.ckpt_strategy),
                                  ns.ckpt_inflight, ns.ckpt_keep, ns.resume)
         return cls(path(ns.data), path(ns.train_file), path(ns.test_file), ns.model, config, list(ns.kill),
-                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout, ns.spares)
+                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout, ns.spares, Replace(ns.replace))
 
     def to_argv(self) -> list[str]:
         """The `train ...` command line that from_args turns back into this job."""
@@ -97,7 +98,8 @@ class TrainJob:
                  "--bucket-bytes", str(c.bucket_bytes), "--out", str(self.out),
                  "--finalize-timeout", repr(self.finalize_timeout), "--recovery", self.recovery.value,
                  "--ckpt-every", str(k.every), "--ckpt-strategy", k.strategy.value,
-                 "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep), "--spares", str(self.spares)]
+                 "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep), "--spares", str(self.spares),
+                 "--replace", self.replacement.value]
         for flag, on in (("--audit", c.audit), ("--no-progress", not c.progress), ("--ckpt-epoch", k.epoch),
                          ("--resume", k.resume)):
             if on:
@@ -123,6 +125,9 @@ class TrainJob:
                                  "(use 0@STEP:checkpoint)")
         if self.spares < 0 or (self.spares and self.recovery is not Recovery.SHRINK):
             raise UsageError(f"--spares {self.spares}: spares are a number >= 0 and work with --recovery shrink")
+        if self.replacement is Replace.RESPAWN and self.recovery is not Recovery.SHRINK:
+            raise UsageError(f"--replace respawn works with --recovery shrink, not {self.recovery}: "
+                             "drop --replace or use --recovery shrink")
         k = self.checkpoint
         if k.directory is None:
             if self.recovery.needs_checkpoints:

@@ -35,7 +35,7 @@ class SpareComm(FaultTolerantComm):
     def __init__(self, spares: int) -> None:
         require_fault_tolerance()
         world = _fault_tolerant_dup(MPI.COMM_WORLD)
-        if not 0 < spares < world.Get_size():
+        if not 0 <= spares < world.Get_size():     # 0: respawn alone refills (respawn.py)
             raise ValueError(f"--spares {spares} leaves no rank to train with {world.Get_size()} ranks: "
                              f"launch more ranks (-n N --spares K starts N + K)")
         self.world = world
