@@ -167,18 +167,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="cnn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=int, default=None,
-                   help="epochs of the job (default: enough for FAILURES x INTERVAL x 1.3 s of training)")
+                   help="epochs of the soak job (default: FAILURES x INTERVAL x 1.2 s at the reference's pace)")
     p.add_argument("--reference-epochs", type=int, default=None,
-                   help="epochs of the failure-free reference (default: the job's; fewer saves time, and "
-                        "goodput is then compared per epoch, without the checksum comparison)")
-    p.add_argument("--epoch-s", type=float, default=1.0, help="the failure-free seconds per epoch, for --epochs")
+                   help="epochs of the failure-free reference (default: --epochs, else 100); with fewer epochs "
+                        "than the soak, goodput is compared per epoch and the checksums are not compared")
     p.add_argument("--workdir", type=Path, default=None, help="where ranks write (default: a temporary dir)")
     common.add_common_args(p, timeout=3600)
     args = p.parse_args(argv)
     if args.ranks < 2 or args.failures < 1 or args.interval <= 0 or args.spares < 0:
         p.error("need --ranks >= 2, --failures >= 1, --interval > 0 and --spares >= 0")
-    epochs = args.epochs or max(2, math.ceil(args.failures * args.interval * 1.3 / args.epoch_s))
-
     from ulfmtrain.data.sources import digits_to_dataset
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_soak."))
@@ -186,12 +183,16 @@ def main(argv: list[str]) -> int:
     if not (data / "train.ulfmds").exists():
         digits_to_dataset(data)
     t0 = time.perf_counter()
-    print(f"failure-free reference: {args.ranks} ranks + {args.spares} spares, "
-          f"{args.reference_epochs or epochs} epochs", flush=True)
-    ref_epochs = args.reference_epochs or epochs
+    ref_epochs = args.reference_epochs or args.epochs or 100
+    print(f"failure-free reference: {args.ranks} ranks + {args.spares} spares, {ref_epochs} epochs", flush=True)
     free_run = run_job(args, data, work / "free", ref_epochs, 0)
     free = measure(work / "free", args.ranks, [])
-    print(f"soak: {args.failures} SIGKILLs, one every {args.interval:g} s on average", flush=True)
+    if not free.get("ended"):
+        print(f"the failure-free run did not end: see {free_run['console']}", file=sys.stderr)
+        return 1
+    # Long enough for every kill at the reference's pace, with room for the recoveries.
+    epochs = args.epochs or max(2, math.ceil(args.failures * args.interval * 1.2 / (free["train_s"] / ref_epochs)))
+    print(f"soak: {epochs} epochs, {args.failures} SIGKILLs, one every {args.interval:g} s on average", flush=True)
     soak_run = run_job(args, data, work / "soak", epochs, args.failures)
     kills = soak_run["kills"]
     soak = measure(work / "soak", args.ranks, kills)

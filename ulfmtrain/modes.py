@@ -163,10 +163,10 @@ def run(job: TrainJob) -> int:
     try:
         try:
             if job.replacement is Replace.RESPAWN and job.recovery is Recovery.SHRINK:
-                from .reinit import replacement_job, spawn_command
+                from .reinit import spawn_command
                 from .respawn import RespawnComm
-                comm = RespawnComm(job.spares,
-                                   lambda empty: spawn_command(replacement_job(job, set(empty), resume=False)))
+                # Without kills: a newcomer takes a slot whose kill has fired (each slot has one at most).
+                comm = RespawnComm(job.spares, spawn_command(job.replace(kill_specs=[])))
             elif job.spares:
                 from .spares import SpareComm
                 comm = SpareComm(job.spares)

@@ -67,10 +67,10 @@ class ReinitComm(FaultTolerantComm):
         raise GlobalRestart(fresh, report, wall_error, time.time())
 
 
-def replacement_job(job: TrainJob, dead: set[int], resume: bool = True) -> TrainJob:
-    """The job of a replacement: the same, resuming (reinit), less the kills of the dead slots (they fired)."""
+def replacement_job(job: TrainJob, dead: set[int]) -> TrainJob:
+    """The job of a replacement: the same, resuming, less the kills of the dead slots (they fired)."""
     kept = [spec for spec in job.kill_specs if parse_kill(spec).rank not in dead]
-    return job.replace(kill_specs=kept, checkpoint={"resume": resume})
+    return job.replace(kill_specs=kept, checkpoint={"resume": True})
 
 
 def spawn_command(job: TrainJob) -> list[str]:

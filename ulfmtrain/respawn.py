@@ -1,22 +1,24 @@
 """Respawn (`--replace respawn`): processes spawned in the background refill the empty slots and the spares.
 
 Once no spare is left, a failure leaves its slot empty and the survivors train
-on, shrunk.  At the next step boundary they start `MPI_Comm_spawn` on a thread
-(MPI runs with THREAD_MULTIPLE), over a fault-tolerant dup of their world, and
-keep training.  The thread spawns one process per empty slot plus one per
-missing spare, waits (test-and-sleep: no core spins) until the newcomers have
-imported torch, merges with them and dups the merged communicator.  Every
-commit agree carries two more bits (comm.py `_commit_bits`): "my spawn thread
-finished" and "it succeeded".  The step whose agree says every thread finished
-is the join, on every rank alike: the survivors tell the waiting newcomers the
-plan, the lowest newcomers take the empty slots in slot order (the rest wait
-as spares), the training communicator is split again in slot order, the data
-partition rebalances (join listeners), and after the step's update the
-survivors hand the committed state to the newcomers, as they do for spares.
-No checkpoint, no rollback.  A spawn or a join that fails leaves the world at
-its size, is reported to the listeners, and is tried again after the next
-failure.  A failure while a spawn is in flight abandons it: its communicators
-are revoked, which sends its newcomers away.
+on, shrunk.  At the next step boundary the lowest survivor alone starts
+`MPI_Comm_spawn` over MPI_COMM_SELF on a thread (MPI runs with
+THREAD_MULTIPLE) and everyone keeps training: one process per empty slot plus
+one per missing spare.  The thread waits (test-and-sleep: no core spins) until
+the newcomers have imported torch and merges with them; the batch then waits
+as a pool.  Every commit agree carries two more bits (comm.py
+`_commit_bits`): the spawning rank's "finished" and "succeeded" (the others
+send ones).  At the first step boundary where the batch is ready and the world
+has an empty slot or lacks a spare, every rank joins alike: an intercommunicator
+from the survivors' world to the batch (the spawning rank is the leader),
+merged and dup'ed fault-tolerantly; the lowest newcomers take the empty slots
+in slot order (the rest wait as spares), the training communicator is split
+again in slot order, the data partition rebalances (join listeners), and after
+the step's update the survivors hand the committed state to the newcomers, as
+they do for spares.  No checkpoint, no rollback.  Only the spawning rank's
+death loses a batch in flight (its newcomers leave); a spawn or join that fails
+leaves the world at its size, is reported to the listeners, and is tried again
+after the next failure.
 """
 from __future__ import annotations
 
@@ -38,9 +40,10 @@ from .spares import WAIT_POLL_S, SpareComm
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-END, JOIN = 0, 1            # what the survivors tell the waiting newcomers: go away, or join now
+END, JOIN = 0, 1            # what the spawning rank tells its waiting batch: go away, or join now
+NO_BATCH, READY, OK = 1, 2, 4   # commit-agree bits: nobody owns a batch; it is ready; it succeeded
+TAG = 1711                  # of the intercommunicator between the survivors and a batch
 PRELOAD = ("torch._dynamo", "ulfmtrain.trainer")   # imported before a newcomer says it is ready
-SpawnCommand = Callable[[list[int]], list[str]]     # empty slots -> program and arguments to spawn
 JoinListener = Callable[[dict[str, Any]], None]
 
 
@@ -50,50 +53,48 @@ def _wait(req: MPI.Request) -> None:
         time.sleep(WAIT_POLL_S)
 
 
-class _Dismissed(Exception):
-    """A newcomer is not needed (training ended) or its join failed: it leaves."""
-
-
 class _Spawn:
-    """One background spawn of `count` processes: spawn, wait until they are ready, merge, dup."""
+    """One batch of `count` newcomers, spawned by its owner on a thread: spawn, wait until ready, merge."""
 
-    def __init__(self, world: MPI.Intracomm, command: list[str], count: int, slots: list[int]) -> None:
-        self.base = _fault_tolerant_dup(world)     # collective, on the main thread of every survivor
+    def __init__(self, command: list[str], count: int, slots: list[int]) -> None:
         self.command, self.count, self.slots = command, count, slots
         self.t_start = time.time()
         self.t_spawned = self.t_done = 0.0
         self.inter: MPI.Intercomm | None = None
-        self.world: MPI.Intracomm | None = None
+        self.pool: MPI.Intracomm | None = None      # the root and its newcomers
         self.error: str | None = None
-        self.abandoned = False
         self.finished = threading.Event()
         threading.Thread(target=self._run, name="ulfmtrain-respawn", daemon=True).start()
 
     def _run(self) -> None:
         try:
-            inter = self.base.Spawn(self.command[0], self.command[1:], maxprocs=self.count, root=0)
+            inter = MPI.COMM_SELF.Spawn(self.command[0], self.command[1:], maxprocs=self.count, root=0)
             inter.Set_errhandler(MPI.ERRORS_RETURN)
             self.inter, self.t_spawned = inter, time.time()
-            if self.abandoned:          # a failure while MPI_Comm_spawn ran: send the newcomers away
-                _ftcoll.revoke(inter)
             _wait(inter.Ibarrier())             # the newcomers have imported torch: a join will not wait
-            merged = MPI.Intracomm(inter.Merge(high=False))    # survivors first, in world order
-            self.world = _fault_tolerant_dup(merged)
-            merged.Free()
+            pool = MPI.Intracomm(inter.Merge(high=False))
+            pool.Set_errhandler(MPI.ERRORS_RETURN)
+            self.pool = pool
         except MPI.Exception as exc:
             self.error = f"{exc.Get_error_string()} (spawning {self.count})"
         finally:
             self.t_done = time.time()
             self.finished.set()
 
-    def bits(self) -> int:
-        """This rank's part of the decision: 1 = the thread finished, 2 = it succeeded."""
-        return (1 | (2 if self.world is not None else 0)) if self.finished.is_set() else 0
+    def times(self) -> dict[str, float]:
+        """When the batch was started, and how long it took to spawn and to be ready (the root's clock)."""
+        return {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start,
+                "ready_s": self.t_done - self.t_start}
 
-    def abandon(self) -> None:
-        """Revoke what this spawn made, so that its thread and its newcomers stop waiting."""
-        self.abandoned = True
-        for c in (self.world, self.inter, self.base):
+    def dismiss(self) -> None:
+        """Send a ready batch away (END), or revoke what exists so that it stops waiting."""
+        try:
+            if self.pool is not None:
+                self.pool.Ibcast(np.array([END, 0], dtype=np.int64), root=0).Wait()
+                return
+        except MPI.Exception:
+            pass
+        for c in (self.pool, self.inter):
             if c is not None:
                 _ftcoll.revoke(c)
 
@@ -103,14 +104,16 @@ class RespawnComm(SpareComm):
 
     Args:
         spares: K waiting spares (0: none); the last K ranks of MPI_COMM_WORLD.
-        command: empty slots -> the program and arguments of a newcomer (this job, less the kills of
-            those slots).
+        command: the program and arguments of a newcomer (this job, without kills: a newcomer takes a slot
+            whose kill has fired).
     """
 
-    def __init__(self, spares: int, command: SpawnCommand) -> None:
+    def __init__(self, spares: int, command: list[str]) -> None:
         self.command, self.spares_target = command, spares
         self._spawn: _Spawn | None = None
-        self._spawn_wanted = False         # after a failure: refill once (a failed spawn waits for the next one)
+        self._spawn_wanted = False         # after a failure: refill (a failed spawn waits for the next failure)
+        self._batch_seen = False           # a batch existed at the last boundary
+        self._repaired = False             # a repair happened in the transaction in flight
         self._join_listeners: list[JoinListener] = []
         self.joined: dict[str, Any] | None = None    # a newcomer: what it logs about its join
         parent = MPI.Comm.Get_parent()
@@ -133,72 +136,100 @@ class RespawnComm(SpareComm):
 
     # -- the survivors ----------------------------------------------------------
     def _commit_bits(self) -> int:
-        return self._spawn.bits() if self._spawn is not None else 0
+        # ANDed over the training ranks: only the owner of a batch (the rank that spawned it) sends zeros,
+        # so every rank learns its state, also a spare that took a slot after the batch was started.
+        s = self._spawn
+        if s is None:
+            return NO_BATCH | READY | OK
+        return (READY | (OK if s.pool is not None else 0)) if s.finished.is_set() else OK
 
     def transaction(self, attempt: Any, commit: Any = None, *, what: str = "step",
                     before_agree: Any = None) -> Any:
+        self._repaired = False
         result = super().transaction(attempt, commit, what=what, before_agree=before_agree)
-        if what == "step" and self.slot is not None:
+        # After a repair the agreed bits may include a rank that is now dead: decide at the next boundary.
+        if what == "step" and self.slot is not None and not self._repaired:
             self._boundary()
         return result
 
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
-        s, self._spawn = self._spawn, None
-        if s is not None:
-            s.abandon()
-            self._notify("failed", s.slots, reason="a rank failed while the spawn was in flight",
-                         t_spawn=s.t_start)
         super()._repair(what, committed, t_start, t_error, agree_ms)
-        self._spawn_wanted = True
+        self._repaired = self._spawn_wanted = True
 
     def _boundary(self) -> None:
-        """After a committed step: join a finished spawn, or start one (every decision here is uniform)."""
-        s = self._spawn
-        if s is not None:
-            if self.agreed_bits & 1:                     # every survivor's thread finished
-                self._spawn = None
-                if self.agreed_bits & 2:
-                    self._join(s)
-                else:
-                    s.abandon()
-                    self._notify("failed", s.slots, reason=s.error or "the spawn failed on another rank",
-                                 t_spawn=s.t_start)
+        """After a committed step: join a ready batch, or start one (every decision here is uniform)."""
+        bits = self.agreed_bits
+        # A spare that took a slot in this step is not at this boundary: it waits for the state.
+        if self.pending_handover is not None:
             return
+        if not bits & NO_BATCH:
+            self._batch_seen = True
+            if not bits & READY:
+                return                                   # not ready: train on
+            s, self._spawn = self._spawn, None
+            if not bits & OK:
+                self._batch_seen = False
+                self._notify("failed", s.slots if s else [], reason=(s.error if s else None) or "MPI_Comm_spawn failed",
+                             **(s.times() if s else {}))
+            elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
+                # (A waiting spare would not take part: a batch joins once none is left.)
+                self._batch_seen = False
+                self._join(s)
+            else:
+                self._spawn = s                          # ready: it waits for a slot to fill
+            return
+        if self._batch_seen:                             # gone without a join: its owner died
+            self._batch_seen = False
+            self._notify("failed", [], reason="the spawning rank failed")
         empty = self._empty()
-        count = len(empty) + self.spares_target
-        # Not while a spare that took a slot waits for the state: it is not at this boundary.
-        if self._spawn_wanted and self.spares_left == 0 and count and self.pending_handover is None:
-            # spares_left == 0: the world holds only training ranks, every one of them here.
+        count = len(empty) + self.spares_target - self.spares_left
+        # World rank 0, the lowest survivor, spawns alone: it leads the join (waiting spares rank last).
+        if self._spawn_wanted and count > 0 and self.world.Get_rank() == 0:
             self._spawn_wanted = False
-            self._spawn = _Spawn(self.world, self.command(empty), count, empty)
+            self._spawn = _Spawn(self.command, count, empty)
             self._notify("spawning", empty, count=count, t_spawn=self._spawn.t_start)
 
-    def _join(self, s: _Spawn) -> None:
+    def _join(self, s: _Spawn | None) -> None:
+        """Every training rank (s: the batch on its owner, None elsewhere): the batch joins the world."""
         t0 = time.perf_counter()
-        world = s.world
-        assert world is not None
-        ok = 1
+        ok, world, info, held = 1, None, {}, []
         try:
-            world.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the newcomers wait in Ibcast
-            world.bcast({"slots": self.slots, "history": self.world_history}, root=0)
-            held = world.allgather(self.slot)
+            # The leader's peer is its pool (the newcomers are ranks 1.. of it); elsewhere it is not read.
+            peer = self.world
+            if s is not None:
+                assert s.pool is not None
+                peer = s.pool
+                peer.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the batch waits in Ibcast
+            inter = self.world.Create_intercomm(0, peer, 1, TAG)
+            merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
+            world = _fault_tolerant_dup(merged)
+            merged.Free()
+            inter.Free()
         except MPI.Exception:
-            _ftcoll.revoke(world)
             ok = 0
-        flag, status = _ftcoll.agree(world, ok)
-        if not (flag and status == _ftcoll.OK):
-            s.abandon()
-            self._notify("failed", s.slots, reason="a process failed during the join", t_spawn=s.t_start)
+        # Uniform among the survivors (the old world is whole: this step's commit agree just said so).
+        flag, status = _ftcoll.agree(self.world, ok)
+        if flag and status == _ftcoll.OK and world is not None:
+            try:
+                info = world.bcast({"slots": self.slots, "history": self.world_history, **s.times()} if s
+                                   else None, root=0)
+                held = world.allgather(self.slot)
+                flag, status = _ftcoll.agree(world, 1)
+            except MPI.Exception:
+                flag = 0
+        if not (flag and status == _ftcoll.OK) or world is None:
+            for c in (world, s.pool if s else None):
+                if c is not None:
+                    _ftcoll.revoke(c)
+            self._notify("failed", [], reason="a process failed during the join")
             return
         size_before = self.size
+        times = {k: info[k] for k in ("t_spawn", "spawn_s", "ready_s")}
         plan = self._take_world(world, held)
-        for c in (s.inter, s.base):
-            if c is not None:
-                c.Free()
         self.world_history.append(self.size)
-        spawn = {"t_spawn": s.t_start, "spawn_s": s.t_spawned - s.t_start, "ready_s": s.t_done - s.t_start}
+        self._spawn_wanted = True           # a spare may still be missing
         self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,
-                     size_after=self.size, join_ms=(time.perf_counter() - t0) * 1e3, **spawn)
+                     size_after=self.size, join_ms=(time.perf_counter() - t0) * 1e3, **times)
         if plan["taken"] and self.handover is not None:
             self.pending_handover = (plan["root"], 0)   # after this step's update (DistributedOptimizer.step)
 
@@ -223,33 +254,18 @@ class RespawnComm(SpareComm):
         return {"taken": taken, "spares": self.spares_left, "root": self.alive.index(min(survivors))}
 
     def close(self) -> None:
-        """Training ranks, at the end: settle a spawn in flight (its newcomers leave), then release the spares."""
-        s = self._spawn
+        """Training ranks, at the end: send a batch in flight or waiting away, then release the spares."""
+        s, self._spawn = self._spawn, None
         if s is not None and self.slot is not None:
-            deadline = time.monotonic() + SPAWN_TIMEOUT_S
-            # Uniform: every rank's thread finished, or some rank's deadline passed; a failure abandons it.
-            while self._spawn is s and not self.agree(int(s.finished.is_set())):
-                if not self.agree(int(time.monotonic() < deadline)):
-                    break
-                time.sleep(0.05)
-            if self._spawn is s:
-                self._spawn = None
-                if self.agree(int(s.world is not None)) and s.world is not None:
-                    try:
-                        s.world.Ibcast(np.array([END, 0], dtype=np.int64), root=0).Wait()
-                    except MPI.Exception:
-                        s.abandon()
-                    self._notify("dismissed", s.slots, reason="training ended before the join", t_spawn=s.t_start,
-                                 spawn_s=s.t_spawned - s.t_start, ready_s=s.t_done - s.t_start)
-                else:
-                    s.abandon()
-                    self._notify("failed", s.slots, reason=s.error or "the spawn did not finish before the end",
-                                 t_spawn=s.t_start)
+            # Bounded: a spawn that never completes is left to the newcomers' own watchdog.
+            s.finished.wait(SPAWN_TIMEOUT_S)
+            s.dismiss()
+            self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
         self.release_spares()
 
     # -- a newcomer -------------------------------------------------------------
     def _join_as_newcomer(self, parent: MPI.Intercomm) -> None:
-        """Get ready, merge with the survivors, and wait (test-and-sleep) for the join at a step boundary."""
+        """Get ready, merge with the spawning rank, wait (test-and-sleep) for the join, and take part in it."""
         require_fault_tolerance()
         lifecycle.arm_at_exit()
         t_start = time.time()
@@ -262,22 +278,25 @@ class RespawnComm(SpareComm):
             parent.Set_errhandler(MPI.ERRORS_RETURN)
             t_ready = time.time()
             _wait(parent.Ibarrier())
-            merged = MPI.Intracomm(parent.Merge(high=True))
+            pool = MPI.Intracomm(parent.Merge(high=True))
+            pool.Set_errhandler(MPI.ERRORS_RETURN)
+            timer.cancel()         # ready: waiting in the pool for a failure may take any time
+            _wait(pool.Ibcast(code, root=0))
+            if code[0] != JOIN:
+                raise self._leave(None, "")
+            timer = _watchdog("joining the survivors", "the survivors train on without this process")
+            MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
+            inter = MPI.COMM_WORLD.Create_intercomm(0, pool, 0, TAG)
+            merged = MPI.Intracomm(inter.Merge(high=True))
             world = _fault_tolerant_dup(merged)
             merged.Free()
-            _wait(world.Ibcast(code, root=0))
-            if code[0] != JOIN:
-                raise _Dismissed("")
             info = world.bcast(None, root=0)
             held = world.allgather(None)
-            ok = 1
+            flag, status = _ftcoll.agree(world, 1)
+            if not (flag and status == _ftcoll.OK):
+                raise self._leave(timer, "a process failed during the join")
         except MPI.Exception as exc:
             raise self._leave(timer, f"the survivors went away ({exc.Get_error_string()})") from None
-        except _Dismissed:
-            raise self._leave(timer, "") from None
-        flag, status = _ftcoll.agree(world, ok)
-        if not (flag and status == _ftcoll.OK):
-            raise self._leave(timer, "a process failed during the join")
         self.slots = info["slots"]
         self._setup(MPI.Intracomm(MPI.COMM_NULL), -1, [])
         plan = self._take_world(world, held)
@@ -290,9 +309,10 @@ class RespawnComm(SpareComm):
                        "world": self.size}
 
     @staticmethod
-    def _leave(timer: threading.Timer, why: str) -> SystemExit:
+    def _leave(timer: threading.Timer | None, why: str) -> SystemExit:
         """A newcomer that is not needed exits (0) through the bounded finalize."""
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
         if why:
             print(f"ulfmtrain: warning: a respawned process leaves: {why}; the survivors train on",
                   file=sys.stderr, flush=True)

@@ -75,7 +75,7 @@ class SpareComm(FaultTolerantComm):
         old.Free()
         self.world = fresh
         slots = fresh.allgather(-1 if self.slot is None else self.slot)
-        dead = sorted(set(range(self.slots)) - set(slots))
+        dead = sorted(set(self.alive) - set(slots))    # slots removed earlier are not dead again
         waiting = [r for r, s in enumerate(slots) if s == -1]
         taken = dict(zip(dead, waiting))
         if self.slot is None and fresh.Get_rank() in taken.values():
