@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-port", type=int, default=22, help="the port the host probe connects to (ssh's)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ... --recovery restart --ckpt-dir DIR ...")
 
-    p = sub.add_parser("compare", help="the same job under shrink, restart and reinit: lost time per failure, "
+    p = sub.add_parser("compare", help="the same job under shrink, restart, reinit and respawn: lost time per failure, "
                                        "table, JSON, PNGs")
     p.add_argument("--out", default="ulfmtrain-compare", help="directory for the runs and the report")
     p.add_argument("--data", default=None, help="dataset directory (default: digits, created in OUT/data)")
@@ -192,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", action="append", default=None, metavar="RANK@STEP[:PHASE]",
                    help="kill schedule (repeatable; default: rank 1 about 60%% through, half-way between checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=20, metavar="K", help="checkpoint every K steps (restart, reinit)")
-    p.add_argument("--modes", default=",".join(choices(Recovery)),
-                   help="comma-separated subset of shrink,restart,reinit")
+    p.add_argument("--modes", default=",".join([*choices(Recovery), "respawn"]),
+                   help="comma-separated subset of shrink,restart,reinit,respawn (respawn: shrink with "
+                        "--replace respawn)")
     p.add_argument("--strategies", default=",".join(choices(CheckpointStrategy)),
                    help="checkpoint strategies to run restart and reinit with: blocking,overlapped")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free reference run")

@@ -34,7 +34,7 @@ from mpi4py import MPI
 
 from . import _ftcoll, lifecycle
 from .comm import _fault_tolerant_dup, require_fault_tolerance
-from .reinit import SPAWN_TIMEOUT_S, _watchdog
+from .reinit import _watchdog
 from .spares import WAIT_POLL_S, SpareComm
 
 if TYPE_CHECKING:
@@ -54,49 +54,86 @@ def _wait(req: MPI.Request) -> None:
 
 
 class _Spawn:
-    """One batch of `count` newcomers, spawned by its owner on a thread: spawn, wait until ready, merge."""
+    """`count` newcomers spawned by their owner on a thread, one MPI job each, and merged with it when ready.
+
+    One job each: PRRTE ends every process of a spawned job when one of them dies (a spawned job is not
+    started recoverable), so a batch spawned as one job would lose every newcomer to one kill.
+    """
 
     def __init__(self, command: list[str], count: int, slots: list[int]) -> None:
         self.command, self.count, self.slots = command, count, slots
         self.t_start = time.time()
-        self.t_spawned = self.t_done = 0.0
-        self.inter: MPI.Intercomm | None = None
-        self.pool: MPI.Intracomm | None = None      # the root and its newcomers
-        self.error: str | None = None
-        self.finished = threading.Event()
+        self.t_spawned = 0.0
+        self._lock = threading.Lock()
+        self._ready: list[tuple[MPI.Intracomm, float]] = []   # (the owner and one newcomer, when ready)
+        self._waiting: list[MPI.Intercomm] = []
+        self.errors: list[str] = []
+        self.stop = False
+        self.finished = threading.Event()                      # every newcomer is ready, or failed
         threading.Thread(target=self._run, name="ulfmtrain-respawn", daemon=True).start()
 
     def _run(self) -> None:
+        pending: list[tuple[MPI.Intercomm, MPI.Request]] = []
         try:
-            inter = MPI.COMM_SELF.Spawn(self.command[0], self.command[1:], maxprocs=self.count, root=0)
-            inter.Set_errhandler(MPI.ERRORS_RETURN)
-            self.inter, self.t_spawned = inter, time.time()
-            _wait(inter.Ibarrier())             # the newcomers have imported torch: a join will not wait
-            pool = MPI.Intracomm(inter.Merge(high=False))
-            pool.Set_errhandler(MPI.ERRORS_RETURN)
-            self.pool = pool
-        except MPI.Exception as exc:
-            self.error = f"{exc.Get_error_string()} (spawning {self.count})"
+            for _ in range(self.count):
+                if self.stop:
+                    break
+                try:
+                    inter = MPI.COMM_SELF.Spawn(self.command[0], self.command[1:], maxprocs=1, root=0)
+                    inter.Set_errhandler(MPI.ERRORS_RETURN)
+                    self.t_spawned = self.t_spawned or time.time()
+                    self._waiting.append(inter)
+                    pending.append((inter, inter.Ibarrier()))   # ready: it has imported torch
+                except MPI.Exception as exc:
+                    self.errors.append(f"MPI_Comm_spawn: {exc.Get_error_string()}")
+            while pending and not self.stop:
+                for item in list(pending):
+                    inter, req = item
+                    try:
+                        if not req.Test():
+                            continue
+                        pool = MPI.Intracomm(inter.Merge(high=False))
+                        pool.Set_errhandler(MPI.ERRORS_RETURN)
+                        with self._lock:
+                            self._ready.append((pool, time.time()))
+                    except MPI.Exception as exc:
+                        self.errors.append(f"a newcomer failed before it was ready ({exc.Get_error_string()})")
+                    pending.remove(item)
+                time.sleep(WAIT_POLL_S)
         finally:
-            self.t_done = time.time()
             self.finished.set()
 
+    def ready(self) -> bool:
+        with self._lock:
+            return bool(self._ready)
+
+    def done(self) -> bool:
+        """Nothing ready, and nothing more will be."""
+        return self.finished.is_set() and not self.ready()
+
+    def pop(self) -> tuple[MPI.Intracomm, dict[str, float]]:
+        """The next ready newcomer's pool, and when it was spawned and ready."""
+        with self._lock:
+            pool, t_ready = self._ready.pop(0)
+        return pool, {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start,
+                      "ready_s": t_ready - self.t_start}
+
     def times(self) -> dict[str, float]:
-        """When the batch was started, and how long it took to spawn and to be ready (the root's clock)."""
-        return {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start,
-                "ready_s": self.t_done - self.t_start}
+        return {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start}
 
     def dismiss(self) -> None:
-        """Send a ready batch away (END), or revoke what exists so that it stops waiting."""
-        try:
-            if self.pool is not None:
-                self.pool.Ibcast(np.array([END, 0], dtype=np.int64), root=0).Wait()
-                return
-        except MPI.Exception:
-            pass
-        for c in (self.pool, self.inter):
-            if c is not None:
-                _ftcoll.revoke(c)
+        """Send the ready newcomers away (END); revoke what the others wait on, so they leave too."""
+        self.stop = True
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for pool, _ in ready:
+            try:
+                pool.Ibcast(np.array([END, 0], dtype=np.int64), root=0).Wait()
+            except MPI.Exception:
+                _ftcoll.revoke(pool)
+        if not self.finished.is_set():
+            for inter in self._waiting:
+                _ftcoll.revoke(inter)
 
 
 class RespawnComm(SpareComm):
@@ -141,7 +178,9 @@ class RespawnComm(SpareComm):
         s = self._spawn
         if s is None:
             return NO_BATCH | READY | OK
-        return (READY | (OK if s.pool is not None else 0)) if s.finished.is_set() else OK
+        if s.ready():
+            return READY | OK
+        return READY if s.finished.is_set() else OK      # finished with nothing ready: it failed
 
     def transaction(self, attempt: Any, commit: Any = None, *, what: str = "step",
                     before_agree: Any = None) -> Any:
@@ -166,17 +205,19 @@ class RespawnComm(SpareComm):
             self._batch_seen = True
             if not bits & READY:
                 return                                   # not ready: train on
-            s, self._spawn = self._spawn, None
+            s = self._spawn
             if not bits & OK:
-                self._batch_seen = False
-                self._notify("failed", s.slots if s else [], reason=(s.error if s else None) or "MPI_Comm_spawn failed",
+                self._batch_seen, self._spawn = False, None
+                self._notify("failed", s.slots if s else [],
+                             reason="; ".join(s.errors) if s and s.errors else "MPI_Comm_spawn failed",
                              **(s.times() if s else {}))
             elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
-                # (A waiting spare would not take part: a batch joins once none is left.)
+                # (A waiting spare would not take part: a newcomer joins once none is left.)  One newcomer
+                # per boundary; the next one, if any, at the next.
                 self._batch_seen = False
                 self._join(s)
-            else:
-                self._spawn = s                          # ready: it waits for a slot to fill
+                if s is not None and s.done():
+                    self._spawn = None
             return
         if self._batch_seen:                             # gone without a join: its owner died
             self._batch_seen = False
@@ -190,16 +231,17 @@ class RespawnComm(SpareComm):
             self._notify("spawning", empty, count=count, t_spawn=self._spawn.t_start)
 
     def _join(self, s: _Spawn | None) -> None:
-        """Every training rank (s: the batch on its owner, None elsewhere): the batch joins the world."""
+        """Every training rank (s: the batch on its owner, None elsewhere): one ready newcomer joins the world."""
         t0 = time.perf_counter()
-        ok, world, info, held = 1, None, {}, []
+        ok, world, info, held, pool = 1, None, {}, [], None
+        times: dict[str, float] = {}
         try:
-            # The leader's peer is its pool (the newcomers are ranks 1.. of it); elsewhere it is not read.
+            # The leader's peer is its pool (the newcomer is rank 1 of it); elsewhere it is not read.
             peer = self.world
             if s is not None:
-                assert s.pool is not None
-                peer = s.pool
-                peer.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the batch waits in Ibcast
+                pool, times = s.pop()
+                peer = pool
+                pool.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the newcomer waits in Ibcast
             inter = self.world.Create_intercomm(0, peer, 1, TAG)
             merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
             world = _fault_tolerant_dup(merged)
@@ -211,14 +253,14 @@ class RespawnComm(SpareComm):
         flag, status = _ftcoll.agree(self.world, ok)
         if flag and status == _ftcoll.OK and world is not None:
             try:
-                info = world.bcast({"slots": self.slots, "history": self.world_history, **s.times()} if s
+                info = world.bcast({"slots": self.slots, "history": self.world_history, **times} if s
                                    else None, root=0)
                 held = world.allgather(self.slot)
                 flag, status = _ftcoll.agree(world, 1)
             except MPI.Exception:
                 flag = 0
         if not (flag and status == _ftcoll.OK) or world is None:
-            for c in (world, s.pool if s else None):
+            for c in (world, pool):
                 if c is not None:
                     _ftcoll.revoke(c)
             self._notify("failed", [], reason="a process failed during the join")
@@ -258,7 +300,6 @@ class RespawnComm(SpareComm):
         s, self._spawn = self._spawn, None
         if s is not None and self.slot is not None:
             # Bounded: a spawn that never completes is left to the newcomers' own watchdog.
-            s.finished.wait(SPAWN_TIMEOUT_S)
             s.dismiss()
             self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
         self.release_spares()

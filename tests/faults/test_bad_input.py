@@ -88,3 +88,9 @@ def test_bad_input_with_a_spare_stops_the_spare_too(mpi, digits_dir, tmp_path):
     proc = mpi.run(3, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--spares", "1",
                        "--kill", "5@5"], 100)
     assert_one_error(proc, "does not exist", "RANK@STEP")
+
+
+def test_respawn_with_another_recovery_mode_is_refused(mpi, digits_dir, tmp_path):
+    proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--replace", "respawn",
+                       "--recovery", "restart"], 100)
+    assert_one_error(proc, "--replace respawn", "--recovery shrink")
