@@ -1,24 +1,24 @@
 """Respawn (`--replace respawn`): processes spawned in the background refill the empty slots and the spares.
 
 Once no spare is left, a failure leaves its slot empty and the survivors train
-on, shrunk.  At the next step boundary the lowest survivor alone starts
-`MPI_Comm_spawn` over MPI_COMM_SELF on a thread (MPI runs with
-THREAD_MULTIPLE) and everyone keeps training: one process per empty slot plus
-one per missing spare.  The thread waits (test-and-sleep: no core spins) until
-the newcomers have imported torch and merges with them; the batch then waits
-as a pool.  Every commit agree carries two more bits (comm.py
-`_commit_bits`): the spawning rank's "finished" and "succeeded" (the others
-send ones).  At the first step boundary where the batch is ready and the world
-has an empty slot or lacks a spare, every rank joins alike: an intercommunicator
-from the survivors' world to the batch (the spawning rank is the leader),
-merged and dup'ed fault-tolerantly; the lowest newcomers take the empty slots
-in slot order (the rest wait as spares), the training communicator is split
-again in slot order, the data partition rebalances (join listeners), and after
-the step's update the survivors hand the committed state to the newcomers, as
-they do for spares.  No checkpoint, no rollback.  Only the spawning rank's
-death loses a batch in flight (its newcomers leave); a spawn or join that fails
-leaves the world at its size, is reported to the listeners, and is tried again
-after the next failure.
+on, shrunk.  At the next step boundary the lowest survivor alone spawns, on a
+thread (MPI runs with THREAD_MULTIPLE), one process per empty slot plus one per
+missing spare, each as its own MPI job over MPI_COMM_SELF (PRRTE ends a whole
+spawned job when one of its processes dies), and everyone keeps training.  A
+newcomer imports torch, says it is ready, and waits (test-and-sleep) merged
+with the spawning rank.  Every commit agree carries three more bits
+(comm.py `_commit_bits`): "I own a batch", "a newcomer is ready", "it
+succeeded"; only the owner sends zeros, so every rank learns the same state at
+the same step.  At each step boundary where a newcomer is ready and the world
+has an empty slot or lacks a spare, every rank joins it alike: an
+intercommunicator from the survivors' world to it (the owner leads), merged and
+dup'ed fault-tolerantly; it takes the lowest empty slot or waits as a spare;
+the training communicator is split again in slot order; the data partition
+rebalances (join listeners); and after the step's update the survivors hand it
+the committed state, as they do for spares.  No checkpoint, no rollback.  Only
+the owner's death loses a batch (its newcomers leave, and the next lowest
+survivor spawns again); a spawn or a join that fails leaves the world at its
+size, is reported to the listeners, and is tried again after the next failure.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .trainer import Trainer
 
 END, JOIN = 0, 1            # what the spawning rank tells its waiting batch: go away, or join now
-NO_BATCH, READY, OK = 1, 2, 4   # commit-agree bits: nobody owns a batch; it is ready; it succeeded
+NO_BATCH, READY, OK = 1, 2, 4   # commit-agree bits: nobody owns a batch; a newcomer is ready; no failure
 TAG = 1711                  # of the intercommunicator between the survivors and a batch
 PRELOAD = ("torch._dynamo", "ulfmtrain.trainer")   # imported before a newcomer says it is ready
 JoinListener = Callable[[dict[str, Any]], None]
