@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from ulfmtrain import atomic  # noqa: E402
 from ulfmtrain.audit import audit_logs  # noqa: E402
 from ulfmtrain.events import read_rank_logs, select  # noqa: E402
 from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
@@ -88,6 +89,7 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
                 try:
                     os.kill(pids[slot], signal.SIGKILL)
                     kills.append({"t": time.time(), "slot": slot, "pid": pids[slot]})
+                    atomic.write_json(out.parent / f"{out.name}.kills.json", kills)   # kept if the driver dies
                 except ProcessLookupError:
                     pass
             next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
@@ -121,8 +123,9 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]]) -> dict[str, Any
         if dropped and back:
             restore_s.append(back[0] - dropped[0])
     respawns = select(logs, "respawn")
-    joins = {r["t_spawn"] for r in respawns if r["status"] == "joined"}
-    failed = {r["t_spawn"] for r in respawns if r["status"] == "failed"}
+    # Every training rank logs each respawn record: count them once.
+    joins = {(r["step"], r["t_spawn"]) for r in respawns if r["status"] == "joined"}
+    failed = {(r["step"], r["reason"]) for r in respawns if r["status"] == "failed"}
     recs = select(logs, "recovery")
     train_s = max(e["t"] for e in ends) - min(s["t"] for s in starts)
     res.update(
