@@ -26,7 +26,7 @@ class EpochAudit:
     seen: int          # distinct records trained on
     duplicates: int    # extra occurrences
     missing: int       # records never trained on
-    finished: bool     # every surviving rank closed this epoch
+    finished: bool     # the surviving ranks closed this epoch
 
     @property
     def exact(self) -> bool:
@@ -46,7 +46,9 @@ def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[Ep
         if x["attempt"] == last[x["step"]]:
             seen[x["epoch"]].update(x["ids"])
     survivors = [recs for recs in logs.values() if select(recs, Event.END)] or list(logs.values())
-    closed = set.intersection(*({x["epoch"] for x in select(recs, Event.EPOCH)} for recs in survivors))
+    # Every rank closes an epoch at the same committed step, so one closing is enough; a slot refilled later
+    # (respawn) has no lines for the epochs it missed.
+    closed = set.union(*({x["epoch"] for x in select(recs, Event.EPOCH)} for recs in survivors))
     return [EpochAudit(e, count, len(c), sum(c.values()) - len(c), count - len(c), e in closed)
             for e, c in sorted(seen.items())]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from .job import DEFAULT_BATCH, DEFAULT_BUCKET_BYTES, TrainJob
-from .modes import PROG, CheckpointStrategy, DataPolicy, Device, Phase, Recovery, Reload, UsageError, choices
+from .modes import PROG, CheckpointStrategy, DataPolicy, Device, Phase, Recovery, Reload, Replace, UsageError, choices
 
 T = TypeVar("T")
 
@@ -56,6 +56,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="the last K ranks are hot spares: they wait, and take a dead rank's slot with the "
                         "survivors' live state (launch -n N --spares K starts N + K ranks)")
+    p.add_argument("--replace", choices=choices(Replace), default=Replace.NONE.value,
+                   help="respawn: once no spare is left, spawn replacements in the background while the "
+                        "survivors train on; they join at a step boundary with the live state (and refill "
+                        "the spares)")
     p.add_argument("--finalize-timeout", type=float, default=5.0,
                    help="seconds MPI_Finalize may take before the rank exits anyway")
     g = p.add_argument_group("recovery mode and checkpoints (see docs/recovery-modes.md)")
@@ -199,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-port", type=int, default=22, help="the port the host probe connects to (ssh's)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ... --recovery restart --ckpt-dir DIR ...")
 
-    p = sub.add_parser("compare", help="the same job under shrink, restart and reinit: lost time per failure, "
+    p = sub.add_parser("compare", help="the same job under shrink, restart, reinit and respawn: lost time per failure, "
                                        "table, JSON, PNGs")
     p.add_argument("--out", default="ulfmtrain-compare", help="directory for the runs and the report")
     p.add_argument("--data", default=None, help="dataset directory (default: digits, created in OUT/data)")
@@ -217,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", action="append", default=None, metavar="RANK@STEP[:PHASE]",
                    help="kill schedule (repeatable; default: rank 1 about 60%% through, half-way between checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=20, metavar="K", help="checkpoint every K steps (restart, reinit)")
-    p.add_argument("--modes", default=",".join(choices(Recovery)),
-                   help="comma-separated subset of shrink,restart,reinit")
+    p.add_argument("--modes", default=",".join([*choices(Recovery), "respawn"]),
+                   help="comma-separated subset of shrink,restart,reinit,respawn (respawn: shrink with "
+                        "--replace respawn)")
     p.add_argument("--strategies", default=",".join(choices(CheckpointStrategy)),
                    help="checkpoint strategies to run restart and reinit with: blocking,overlapped")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free reference run")

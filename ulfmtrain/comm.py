@@ -169,6 +169,8 @@ class _CommBase:
 class FaultTolerantComm(_CommBase):
     """A communicator that survives process failures: every collective commits uniformly or is redone."""
 
+    agreed_bits = 0     # the AND of _commit_bits() over the survivors in the last commit agree
+
     def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool = True) -> None:
         if check:
             require_fault_tolerance()
@@ -200,7 +202,9 @@ class FaultTolerantComm(_CommBase):
             t_error = t_error or MPI.Wtime()
             if before_agree is not None:
                 before_agree()
-            flag, agreed = _ftcoll.agree(self.comm, 1 if status == _ftcoll.OK else 0)
+            # Bit 0: my attempt completed; the bits above carry a subclass's own uniform decision for free.
+            value, agreed = _ftcoll.agree(self.comm, (1 if status == _ftcoll.OK else 0) | (self._commit_bits() << 1))
+            flag, self.agreed_bits = value & 1, value >> 1
             agree_ms = (MPI.Wtime() - t_error) * 1e3
             if flag and commit is not None:
                 commit(result)              # type: ignore[arg-type]
@@ -215,6 +219,10 @@ class FaultTolerantComm(_CommBase):
             if flag:
                 return result               # type: ignore[return-value]
             n += 1
+
+    def _commit_bits(self) -> int:
+        """Bits ANDed over the survivors in each commit agree (read back as agreed_bits); none here."""
+        return 0
 
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
         old, size_before, alive_before = self.comm, self.size, self.alive

@@ -1,4 +1,4 @@
-"""`python -m ulfmtrain compare`: the same job and kill under shrink, restart and reinit, and what a failure costs.
+"""`python -m ulfmtrain compare`: one job and kill under shrink, restart, reinit and respawn: what a failure costs.
 
 Every run trains the same model on the same data with the same seed and kill
 schedule; lost_time.py splits each failure's cost into the same six parts.
@@ -22,9 +22,11 @@ from .atomic import write_json
 from .faults import mid_run_kill
 from .job import DEFAULT_BATCH, CheckpointOptions, TrainConfig, TrainJob
 from .lost_time import CompareError, analyze, md_table, tables, text_table
-from .modes import CheckpointStrategy, Device, Recovery, choices
+from .modes import CheckpointStrategy, Device, Recovery, Replace, choices
 
 PROG = "ulfmtrain compare"
+RESPAWN = "respawn"                    # a row beside the recovery modes: shrink with --replace respawn
+MODES = [*choices(Recovery), RESPAWN]
 
 
 @dataclass
@@ -43,7 +45,7 @@ class CompareOptions:
     seed: int = 0
     kill: list[str] | None = None
     ckpt_every: int = 20
-    modes: str = ",".join(choices(Recovery))
+    modes: str = ",".join(MODES)
     strategies: str = ",".join(choices(CheckpointStrategy))
     no_reference: bool = False
     max_attempts: int = 4
@@ -55,11 +57,11 @@ class CompareOptions:
 
 
 def _job(a: CompareOptions, data: Path, out: Path, kills: Sequence[str], mode: str,
-         strategy: str | None, spares: int = 0) -> TrainJob:
+         strategy: str | None, spares: int = 0, replacement: Replace = Replace.NONE) -> TrainJob:
     ckpt = (CheckpointOptions(out / "ckpt", a.ckpt_every, strategy=CheckpointStrategy(strategy)) if strategy
             else CheckpointOptions())
     return TrainJob(data=data, model=a.model or "cnn", out=out, kill_specs=list(kills), recovery=Recovery(mode),
-                    spares=spares, device=Device(a.device),
+                    spares=spares, replacement=replacement, device=Device(a.device),
                     config=TrainConfig(epochs=a.epochs, batch=a.batch, seed=a.seed, progress=False), checkpoint=ckpt)
 
 
@@ -77,13 +79,13 @@ def _run(label: str, cmd: list[str], shown: list[str], run_dir: Path, timeout: f
 
 
 def run_one(label: str, mode: str, strategy: str | None, a: CompareOptions, data: Path,
-            kills: Sequence[str], spares: int = 0) -> dict[str, Any]:
+            kills: Sequence[str], spares: int = 0, replacement: Replace = Replace.NONE) -> dict[str, Any]:
     """Run the job in one mode and return its measurements."""
     from .launch import mpirun_command
 
     run_dir = Path(a.out) / label
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = _job(a, data, run_dir, kills, mode, strategy, spares).to_argv()
+    argv = _job(a, data, run_dir, kills, mode, strategy, spares, replacement).to_argv()
     if mode == Recovery.RESTART:
         shown = ["supervise", "-n", str(a.ranks), "--max-attempts", str(a.max_attempts), "--", *argv]
         safe = ["-P"] if getattr(sys.flags, "safe_path", False) else []   # started like this process
@@ -134,11 +136,11 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
 
     modes = [m for m in a.modes.split(",") if m]
     strategies = [s for s in a.strategies.split(",") if s]
-    bad = ([m for m in modes if m not in choices(Recovery)]
+    bad = ([m for m in modes if m not in MODES]
            + [s for s in strategies if s not in choices(CheckpointStrategy)])
     if bad or not modes:
         raise CompareError(f"unknown mode or strategy {bad[0] if bad else '(none)'}: "
-                           "use --modes shrink,restart,reinit and --strategies blocking,overlapped")
+                           "use --modes shrink,restart,reinit,respawn and --strategies blocking,overlapped")
     if ({Recovery.RESTART, Recovery.REINIT} & set(modes)) and (not strategies or a.ckpt_every < 0):
         raise CompareError("restart and reinit need a checkpoint strategy and --ckpt-every K >= 0")
     out = Path(a.out)
@@ -161,12 +163,15 @@ def run_compare(a: CompareOptions) -> dict[str, Any]:
             plan.append((Recovery.SHRINK, Recovery.SHRINK, None, kills))
             if a.spares:
                 plan.append((f"spares-{a.spares}", Recovery.SHRINK, None, kills))
+        elif m == RESPAWN:
+            plan.append((RESPAWN, Recovery.SHRINK, None, kills))
         else:
             plan += [(f"{m}-{s}", m, s, kills) for s in strategies]
     t_start = time.time()
     for label, mode, strategy, k in plan:
         report["runs"][label] = run_one(label, mode, strategy, a, data, k,
-                                        a.spares if label.startswith("spares") else 0)
+                                        a.spares if label.startswith("spares") else 0,
+                                        Replace.RESPAWN if label == RESPAWN else Replace.NONE)
     report["elapsed_s"] = time.time() - t_start
     base = report["runs"].get("shrink", {})
     report["lost_ratio"] = {

@@ -27,6 +27,7 @@ class Event(StrEnum):
     KILL = "kill"                             # this rank SIGKILLs itself now
     RECOVERY = "recovery"                     # a repair (comm.RecoveryEvent)
     REINIT = "reinit"                         # reinit: the world was rebuilt
+    RESPAWN = "respawn"                       # respawn: a spawn started, joined or failed (status)
     EPOCH = "epoch"                           # an epoch ended (test accuracy, checksum)
     CHECKPOINT = "checkpoint"                 # a checkpoint was taken (what it cost this rank)
     CHECKPOINT_WRITTEN = "checkpoint_written"  # rank 0: a checkpoint is durable on disk
@@ -46,6 +47,7 @@ REQUIRED: dict[Event, frozenset[str]] = {
     Event.KILL: frozenset({"step", "phase", "spec"}),
     Event.RECOVERY: frozenset({"step", "what", "committed", "size_before", "size_after", "removed"}),
     Event.REINIT: frozenset({"dead", "size_after"}),
+    Event.RESPAWN: frozenset({"status", "slots", "world"}),
     Event.EPOCH: frozenset({"epoch"}),
     Event.CHECKPOINT: frozenset({"step"}),
     Event.CHECKPOINT_WRITTEN: frozenset({"step", "file", "write_ms", "bytes"}),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .faults import parse_kill
-from .modes import CheckpointStrategy, DataPolicy, Device, Phase, Recovery, Reload, UsageError
+from .modes import CheckpointStrategy, DataPolicy, Device, Phase, Recovery, Reload, Replace, UsageError
 
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import Checkpointer
@@ -67,6 +67,7 @@ class TrainJob:
     out: Path = Path("ulfmtrain-out")
     finalize_timeout: float = 5.0
     spares: int = 0                   # the last K ranks wait and take dead ranks' slots (shrink mode)
+    replacement: Replace = Replace.NONE   # --replace respawn: spawned processes refill empty slots and the spares
     device: Device = Device.CPU
 
     # -- from and to the command line -----------------------------------------
@@ -83,7 +84,7 @@ class TrainJob:
         ckpt = CheckpointOptions(path(ns.ckpt_dir), ns.ckpt_every, ns.ckpt_epoch, CheckpointStrategy(ns.ckpt_strategy),
                                  ns.ckpt_inflight, ns.ckpt_keep, ns.resume)
         return cls(path(ns.data), path(ns.train_file), path(ns.test_file), ns.model, config, list(ns.kill),
-                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout, ns.spares,
+                   Recovery(ns.recovery), ckpt, Path(ns.out), ns.finalize_timeout, ns.spares, Replace(ns.replace),
                    Device(ns.device))
 
     def to_argv(self) -> list[str]:
@@ -101,7 +102,7 @@ class TrainJob:
                  "--finalize-timeout", repr(self.finalize_timeout), "--recovery", self.recovery.value,
                  "--ckpt-every", str(k.every), "--ckpt-strategy", k.strategy.value,
                  "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep), "--spares", str(self.spares),
-                 "--device", self.device.value]
+                 "--replace", self.replacement.value, "--device", self.device.value]
         for flag, on in (("--audit", c.audit), ("--overlap", c.overlap), ("--no-progress", not c.progress),
                          ("--ckpt-epoch", k.epoch), ("--resume", k.resume)):
             if on:
@@ -127,6 +128,9 @@ class TrainJob:
                                  "(use 0@STEP:checkpoint)")
         if self.spares < 0 or (self.spares and self.recovery is not Recovery.SHRINK):
             raise UsageError(f"--spares {self.spares}: spares are a number >= 0 and work with --recovery shrink")
+        if self.replacement is Replace.RESPAWN and self.recovery is not Recovery.SHRINK:
+            raise UsageError(f"--replace respawn works with --recovery shrink, not {self.recovery}: "
+                             "drop --replace or use --recovery shrink")
         k = self.checkpoint
         if k.directory is None:
             if self.recovery.needs_checkpoints:

@@ -35,9 +35,12 @@ def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[
     """
     cores = cores if cores is not None else (os.cpu_count() or 1)
     cmd = [find_mpirun(), *(["--with-ft", "ulfm"] if ft else []), "-np", str(n)]
+    if ft or hostfile:
+        # han is not fault-tolerant across hosts (open-mpi/ompi #13915), and on one host it takes spawned
+        # processes for another node and crashes in mca_coll_han_comm_create (respawn's join, measured here).
+        cmd += ["--mca", "coll", "^han"]
     if hostfile:
-        # han is not fault-tolerant across hosts (open-mpi/ompi #13915).
-        cmd += ["--hostfile", hostfile, "--mca", "coll", "^han"]
+        cmd += ["--hostfile", hostfile]
     elif n > cores:
         # More ranks than cores: let idle ranks yield instead of spinning.
         cmd += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]

@@ -3,7 +3,9 @@
 detection        the kill -> the first rank learns of it (restart: mpirun reports it)
 mpi_recovery     revoke + shrink + agree (+ state sync); restart: tearing the job down
 relaunch_init    restart: mpirun exit -> ranks up again (launch, imports, MPI_Init);
-                 reinit: spawning and merging replacements, rebuilding the trainer
+                 reinit: spawning and merging replacements, rebuilding the trainer;
+                 spares: the spare's takeover and the state handover; respawn: the join and the handover
+                 (the spawn itself runs in the background, while the survivors train)
 checkpoint_load  reading and verifying the checkpoint, broadcasting and applying it
 data_reload      reading data again (shrink: the lost records only; others: every rank its whole shard)
 replay           re-running the steps since the checkpoint (shrink: the interrupted step)
@@ -95,6 +97,26 @@ def _shrink_failures(logs: dict[int, list[dict]]) -> list[dict]:
     return out
 
 
+def _add_respawn_joins(failures: list[dict], logs: dict[int, list[dict]]) -> None:
+    """Respawn: each join (and the handover that follows it) is part of the last failure before its spawn."""
+    slot = min((r for r, recs in logs.items() if select(recs, "end")), default=None)
+    if slot is None or not failures:
+        return
+    recs = logs[slot]
+    steps = [r for r in recs if r["event"] == "step"]
+    typical = sorted(r["ms"] for r in steps)[len(steps) // 2] / 1e3 if steps else 0.0
+    for j in (r for r in recs if r["event"] == "respawn" and r["status"] == "joined"):
+        f = max((f for f in failures if f["t_kill"] <= j["t_spawn"]), key=lambda f: f["t_kill"], default=None)
+        nxt = next((r["t"] for r in steps if r["t"] > j["t"]), j["t"])
+        if f is not None:
+            # The join itself, then the step that waits for the newcomer's state (less a normal step).
+            cost = j["join_ms"] / 1e3 + max(0.0, nxt - j["t"] - typical)
+            f["relaunch_init"] += cost
+            f["total_s"] += cost
+            f["restored_after_s"] = j["t"] - f["t_kill"]
+            f["spawn_ready_s"] = j["ready_s"]
+
+
 def _restart_failures(run_dir: Path, attempts: list[dict]) -> list[dict]:
 
     out = []
@@ -178,6 +200,7 @@ def analyze(run_dir: Path, mode: str, times: dict[str, float]) -> dict[str, Any]
     else:
         logs_list = [read_rank_logs(run_dir)]
         failures = _reinit_failures(logs_list[0]) if mode == Recovery.REINIT else _shrink_failures(logs_list[0])
+        _add_respawn_joins(failures, logs_list[0])
         extra = {}
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():

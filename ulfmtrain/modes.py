@@ -52,6 +52,13 @@ class Recovery(StrEnum):
         return FaultTolerantComm()
 
 
+class Replace(StrEnum):
+    """What fills a dead rank's slot once no spare is left (shrink mode)."""
+
+    NONE = "none"          # nothing: the slot stays empty and the survivors train on (shrink)
+    RESPAWN = "respawn"    # a process spawned in the background joins at a step boundary (respawn.py)
+
+
 class Reload(StrEnum):
     """What a survivor reads after a failure."""
 
@@ -164,7 +171,12 @@ def run(job: TrainJob) -> int:
     comm: Any = None
     try:
         try:
-            if job.spares:
+            if job.replacement is Replace.RESPAWN and job.recovery is Recovery.SHRINK:
+                from .reinit import spawn_command
+                from .respawn import RespawnComm
+                # Without kills: a newcomer takes a slot whose kill has fired (each slot has one at most).
+                comm = RespawnComm(job.spares, spawn_command(job.replace(kill_specs=[])))
+            elif job.spares:
                 from .spares import SpareComm
                 comm = SpareComm(job.spares)
             else:
@@ -199,12 +211,17 @@ def run(job: TrainJob) -> int:
             return _build_trainer(job, model, comm, kills, resume)
 
         trainer = build(comm, kills, getattr(comm, "replacement", False))
+        if job.replacement is Replace.RESPAWN and hasattr(comm, "add_join_listener"):
+            from .respawn import attach
+            attach(trainer)      # rebalance the data at each join; log the respawns
         if job.recovery is Recovery.REINIT:
             from .reinit import fit_with_reinit
             summary = fit_with_reinit(trainer, build, job)
         else:
             summary = trainer.fit()
-        if job.spares:
+        if hasattr(comm, "close"):
+            comm.close()                 # respawn: a spawn in flight is settled; then the spares leave
+        elif job.spares:
             comm.release_spares()
         if comm.rank == 0:
             acc = summary["test_acc"]

@@ -73,11 +73,17 @@ def replacement_job(job: TrainJob, dead: set[int]) -> TrainJob:
     return job.replace(kill_specs=kept, checkpoint={"resume": True})
 
 
-def _watchdog(what: str) -> threading.Timer:
+def spawn_command(job: TrainJob) -> list[str]:
+    """The program and arguments MPI_Comm_spawn starts for `job`: ulfmtrain, started like this process."""
+    # -P: a source tree in the working directory must not shadow the installed package.
+    flags = ["-P"] if getattr(sys.flags, "safe_path", False) else []
+    return [sys.executable, *flags, "-m", "ulfmtrain", *job.to_argv()]
+
+
+def _watchdog(what: str, fix: str = "use --recovery restart under `ulfmtrain supervise`") -> threading.Timer:
     def hung() -> None:
         print(f"ulfmtrain: error: {what} did not finish in {SPAWN_TIMEOUT_S:.0f} s (MPI_Comm_spawn under ULFM "
-              "can hang on Open MPI 5.0.x): use --recovery restart under `ulfmtrain supervise`", file=sys.stderr,
-              flush=True)
+              f"can hang on Open MPI 5.0.x): {fix}", file=sys.stderr, flush=True)
         os._exit(3)
 
     t = threading.Timer(SPAWN_TIMEOUT_S, hung)
@@ -111,10 +117,8 @@ def rebuild_world(g: GlobalRestart, old: ReinitComm, job: TrainJob) -> tuple[Rei
     timer = _watchdog(f"spawning {len(dead)} replacement(s)")
     # Cancelled only on success: a rebuild that threw must not hang the exit either.
     try:
-        # Started like this process (-P: a source tree in the working directory must not shadow it).
-        flags = ["-P"] if getattr(sys.flags, "safe_path", False) else []
-        inter = shrunk.Spawn(sys.executable, [*flags, "-m", "ulfmtrain", *replacement_job(job, set(dead)).to_argv()],
-                             maxprocs=len(dead), root=0)
+        command = spawn_command(replacement_job(job, set(dead)))
+        inter = shrunk.Spawn(command[0], command[1:], maxprocs=len(dead), root=0)
     except MPI.Exception as exc:
         inter, info["spawn_error"] = None, exc.Get_error_string()
     # Every survivor must take the same branch.

@@ -35,7 +35,7 @@ class SpareComm(FaultTolerantComm):
     def __init__(self, spares: int) -> None:
         require_fault_tolerance()
         world = _fault_tolerant_dup(MPI.COMM_WORLD)
-        if not 0 < spares < world.Get_size():
+        if not 0 <= spares < world.Get_size():     # 0: respawn alone refills (respawn.py)
             raise ValueError(f"--spares {spares} leaves no rank to train with {world.Get_size()} ranks: "
                              f"launch more ranks (-n N --spares K starts N + K)")
         self.world = world
@@ -75,7 +75,7 @@ class SpareComm(FaultTolerantComm):
         old.Free()
         self.world = fresh
         slots = fresh.allgather(-1 if self.slot is None else self.slot)
-        dead = sorted(set(range(self.slots)) - set(slots))
+        dead = sorted(set(self.alive) - set(slots))    # slots removed earlier are not dead again
         waiting = [r for r, s in enumerate(slots) if s == -1]
         taken = dict(zip(dead, waiting))
         if self.slot is None and fresh.Get_rank() in taken.values():

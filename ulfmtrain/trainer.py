@@ -1,6 +1,7 @@
 """The training loop: exactly-once batches, one committed transaction per step, data re-planned on failure."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterable
@@ -243,7 +244,7 @@ class Trainer:
                 self.opt.broadcast_state()
         if self.checkpointer is not None:
             self.checkpointer.begin(self)
-        self.log("start", host=socket.gethostname(), world=self.comm.size, alive=self.comm.alive,
+        self.log("start", host=socket.gethostname(), pid=os.getpid(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets), device=str(self.device))
         try:

@@ -106,3 +106,9 @@ def test_resnet18_on_flat_records_names_the_fix(mpi, tmp_path):
     proc = mpi.run(2, ["train", "--train", str(flat), "--out", str(tmp_path / "o"), "--model", "resnet18",
                        "--no-progress"], 100)
     assert_one_error(proc, "resnet18", "--shape 3,32,32")
+
+
+def test_respawn_with_another_recovery_mode_is_refused(mpi, digits_dir, tmp_path):
+    proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--replace", "respawn",
+                       "--recovery", "restart"], 100)
+    assert_one_error(proc, "--replace respawn", "--recovery shrink")

@@ -3,18 +3,25 @@ failure-free run ends (same seed, same slots, same reduction order)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from ulfmtrain.audit import audit_logs
 from ulfmtrain.events import read_rank_logs, select
+from ulfmtrain.launch import mpirun_command
 
 pytestmark = pytest.mark.faults
 SLOTS, EPOCHS, BOUND_S = 3, 2, 150
 TRAIN = ["--epochs", str(EPOCHS), "--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress"]
 
 
-def train(mpi, digits_dir, out, spares: int, *kills: str, slots: int = SLOTS):
+def train(mpi, digits_dir, out, spares: int, *kills: str, slots: int = SLOTS, ended: list[int] | None = None):
     argv = ["train", "--data", str(digits_dir), "--out", str(out), "--spares", str(spares), *TRAIN]
     for k in kills:
         argv += ["--kill", k]
@@ -23,11 +30,11 @@ def train(mpi, digits_dir, out, spares: int, *kills: str, slots: int = SLOTS):
     diag = proc.stdout[-2000:] + proc.stderr[-3000:]
     # One log per slot: a spare that takes a slot goes on writing that slot's log.
     ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if select(recs, "end")}
-    assert sorted(ends) == list(range(slots)), diag
+    assert sorted(ends) == (ended or list(range(slots))), diag
     assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
     rows = audit_logs(logs)
     assert len(rows) == EPOCHS and all(r.exact and r.finished for r in rows), rows
-    return ends[0], logs
+    return ends[min(ends)], logs
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +72,15 @@ def test_more_failures_than_spares_falls_back_to_shrink(mpi, digits_dir, tmp_pat
     assert list(first["replaced"]) == ["1"] and second["removed"] == [2] and second["replaced"] == {}
 
 
+@pytest.mark.timeout(2 * BOUND_S)
+def test_two_shrinks_after_the_spares_ran_out(mpi, digits_dir, tmp_path):
+    """A slot removed by the first shrink is not reported dead again by the second."""
+    _, logs = train(mpi, digits_dir, tmp_path, 1, "1@15", "2@30", "0@45", ended=[1])
+    end = select(logs[1], "end")[-1]                # the spare that took slot 1 is the last one left
+    assert end["world_history"] == [SLOTS, SLOTS, SLOTS - 1, SLOTS - 2]
+    assert [r["removed"] for r in select(logs[1], "recovery")] == [[2], [0]]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode, kill", [("dies", []), ("dies", ["1@50"]), ("takes-over", ["1@30"])])
 def test_spares_in_a_loop_of_your_own(mpi, tmp_path, mode, kill):
@@ -81,3 +97,60 @@ def test_spares_in_a_loop_of_your_own(mpi, tmp_path, mode, kill):
         if not g["joined"]:         # the survivors' repairs: slot 1 removed (no spare left) or taken over
             assert g["removed"] == ([[1]] if shrunk else [[]] if kill else []), g
     assert (1 in got and got[1]["joined"]) == (mode == "takes-over")
+
+
+def _spare_pid(out: Path, slots: int, timeout: float = 60.0) -> int:
+    """The pid of the waiting spare: the rank process of this job that logged no start line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logs = read_rank_logs(out)
+        started = {r["pid"] for recs in logs.values() for r in select(recs, "start")}
+        ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_rank(p, out)]
+        if len(started) == slots and len(ranks) == slots + 1:
+            (pid,) = set(ranks) - started
+            return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no waiting spare found among the ranks of {out}")
+
+
+def _is_rank(proc: Path, out: Path) -> bool:
+    try:
+        argv = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"ulfmtrain" in argv and b"train" in argv and str(out).encode() in argv and b"--with-ft" not in argv
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_spare_killed_while_it_takes_over(mpi, digits_dir, tmp_path):
+    """Slot 1 dies; the spare is SIGKILLed from outside 0.3 s later, while it repairs and takes the slot over
+    (or just after): the survivors repair again, remove slot 1, and train on; every record exactly once."""
+    argv = ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--spares", "1", *TRAIN, "--kill", "1@20"]
+    proc = subprocess.Popen(mpirun_command(SLOTS + 1, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=mpi.root)
+    spare = _spare_pid(tmp_path, SLOTS)
+    killed = threading.Event()
+
+    def kill_the_spare() -> None:
+        while proc.poll() is None:
+            if select(read_rank_logs(tmp_path).get(1, []), "kill"):
+                time.sleep(0.3)
+                os.kill(spare, signal.SIGKILL)
+                killed.set()
+                return
+            time.sleep(0.005)
+
+    threading.Thread(target=kill_the_spare, daemon=True).start()
+    try:
+        _, err = proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the job did not end within {BOUND_S} s after the spare was killed")
+    assert killed.is_set(), err[-2000:]
+    logs = read_rank_logs(tmp_path)
+    ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if select(recs, "end")}
+    assert sorted(ends) == [0, 2], err[-3000:]
+    assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
+    assert ends[0]["world_history"][-1] == SLOTS - 1 and ends[0]["alive"] == [0, 2], ends[0]
+    rows = audit_logs(logs)
+    assert len(rows) == EPOCHS and all(r.exact and r.finished for r in rows), rows

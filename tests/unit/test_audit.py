@@ -46,6 +46,15 @@ def test_an_unfinished_epoch_is_not_judged():
     assert not row.finished
 
 
+def test_a_slot_refilled_later_does_not_unfinish_the_epochs_it_missed():
+    """Slot 1 died in epoch 0; a respawned process took it in epoch 2: epoch 1 is still judged."""
+    epoch = lambda e: {"event": "epoch", "epoch": e}  # noqa: E731
+    logs = logs_of({0: [a(0, [0, 1]), epoch(0), a(1, [0, 1, 2, 3], epoch=1), epoch(1), a(2, [0, 1], epoch=2),
+                        epoch(2), {"event": "end"}],
+                    1: [a(0, [2, 3]), epoch(0), a(2, [2, 3], epoch=2), epoch(2), {"event": "end"}]}, 4)
+    assert [(r.finished, r.exact) for r in audit.audit_logs(logs)] == [(True, True)] * 3
+
+
 def write(tmp_path, logs):
     for r, recs in logs.items():
         (tmp_path / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))

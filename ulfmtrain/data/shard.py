@@ -11,7 +11,24 @@ from ..modes import Reload
 from .format import BLOCK_BYTES, DatasetFile
 from .plan import Ranges, RecoveryPlan, checked_ranges, merge_ranges, ranges_len
 
-__all__ = ["LocalShard"]
+__all__ = ["LocalShard", "subtract_ranges"]
+
+
+def subtract_ranges(a: Ranges, b: Ranges) -> Ranges:
+    """The records of merged ranges ``a`` that are not in merged ranges ``b``, merged."""
+    out: Ranges = []
+    for start, stop in a:
+        for bs, be in b:
+            if be <= start or bs >= stop:
+                continue
+            if bs > start:
+                out.append((start, bs))
+            start = max(start, be)
+            if start >= stop:
+                break
+        if start < stop:
+            out.append((start, stop))
+    return merge_ranges(out)
 
 
 class LocalShard:
@@ -112,6 +129,26 @@ class LocalShard:
                 self.order = self.order + list(reads)
         else:
             raise ValueError(f"unknown recovery mode {plan.mode!r}")
+        self.holdings = target
+        return self.dataset.bytes_read - before, time.perf_counter() - t0
+
+    def retarget(self, target: Iterable[tuple[int, int]]) -> tuple[int, float]:
+        """Hold exactly ``target`` (a respawned rank joined): keep what is held, read only the rest.
+
+        Returns:
+            Bytes read from the dataset and the seconds spent.
+        """
+        target = merge_ranges(target)
+        t0, before = time.perf_counter(), self.dataset.bytes_read
+        reads = subtract_ranges(target, self.holdings)
+        kept = subtract_ranges(target, reads)
+        ids = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in kept] or [np.empty(0, np.int64)])
+        segments = [self.take(self.index_of(ids))] if kept else []
+        if reads:
+            segments.append(self._load(reads))
+        self._segments = segments or [self.dataset.empty(0)]
+        self._starts = np.array([0, ranges_len(kept)][:len(self._segments)], dtype=np.int64)
+        self.order = kept + reads
         self.holdings = target
         return self.dataset.bytes_read - before, time.perf_counter() - t0
 

@@ -1,0 +1,241 @@
+"""How many failures does one job survive, and what do they cost, with spares and respawn refilling the world?
+
+One digits job, `launch -n N --spares K -- train --replace respawn --audit`,
+twice: without failures (the reference), then with seeded SIGKILLs from
+outside (as a crashing node would) of a random training rank, one every
+INTERVAL seconds on average (uniform in [0.5, 1.5] x INTERVAL), until FAILURES
+ranks have been killed.  A kill is only sent while at least two training ranks
+are alive, so a survivor is always left.  It reports failures survived, steps
+committed, goodput against the reference (the same records trained on, so the
+ratio of the two training times), time lost per failure, whether the replicas
+stayed identical (the checksum every rank logs after each recovery, and at the
+end) and the audit exact, and whether the world size was back to N before the
+next failure.
+
+Usage: python benchmarks/bench_soak.py [--failures 100] [--interval 10] [--ranks 4] [--spares 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# `python -P` (as `make bench` runs it) leaves the script's own directory off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from ulfmtrain import atomic  # noqa: E402
+from ulfmtrain.audit import audit_logs  # noqa: E402
+from ulfmtrain.events import read_rank_logs, select  # noqa: E402
+from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+
+NAME = "soak"
+
+
+def train_argv(args: argparse.Namespace, data: Path, out: Path, epochs: int) -> list[str]:
+    return ["train", "--data", str(data), "--out", str(out), "--epochs", str(epochs), "--model", args.model,
+            "--replace", "respawn", "--spares", str(args.spares), "--audit", "--no-progress", "--seed", str(args.seed)]
+
+
+def _training_pids(out: Path) -> dict[int, int]:
+    """slot -> pid of the process that trains it now (its latest start line), for slots that have not ended."""
+    pids = {}
+    for slot, recs in read_rank_logs(out).items():
+        starts = [r for r in recs if r["event"] == "start"]
+        if starts and not any(r["event"] == "end" and r["t"] > starts[-1]["t"] for r in recs):
+            pids[slot] = starts[-1]["pid"]
+    return {s: p for s, p in pids.items() if _alive(p)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failures: int) -> dict[str, Any]:
+    """One job; with failures > 0, SIGKILL that many training ranks at the mean interval. Returns the kills."""
+    cmd = common.train_command(args.ranks + args.spares, train_argv(args, data, out, epochs), args)
+    rng = np.random.default_rng(args.seed)
+    log = out.parent / f"{out.name}.console.log"
+    kills: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    with open(log, "wb") as console:
+        proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        # Kills start once every slot trains (start-up is not what this measures).
+        while failures and proc.poll() is None and len(_training_pids(out)) < args.ranks:
+            time.sleep(0.1)
+        next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
+        while proc.poll() is None and time.monotonic() - t0 < args.timeout:
+            time.sleep(0.05)
+            if len(kills) >= failures or time.monotonic() < next_at:
+                continue
+            pids = _training_pids(out)
+            if len(pids) >= 2:
+                slot = int(rng.choice(sorted(pids)))
+                try:
+                    os.kill(pids[slot], signal.SIGKILL)
+                    kills.append({"t": time.time(), "slot": slot, "pid": pids[slot]})
+                    atomic.write_json(out.parent / f"{out.name}.kills.json", kills)   # kept if the driver dies
+                except ProcessLookupError:
+                    pass
+            next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
+        if proc.poll() is None:
+            common._stop(proc)
+    return {"kills": kills, "launch_wall_s": time.monotonic() - t0, "console": str(log), "rc": proc.returncode}
+
+
+def measure(out: Path, ranks: int, kills: list[dict[str, Any]]) -> dict[str, Any]:
+    """What one job's rank logs say: steps, training time, consistency, audit, world restored."""
+    logs = read_rank_logs(out)
+    ends = select(logs, "end")
+    starts = select(logs, "start")
+    res: dict[str, Any] = {"ended": bool(ends)}
+    if not ends:
+        return res
+    # After each recovery every rank logs its checksum with that step: equal, or the replicas diverged.
+    by_step: dict[int, set[int]] = defaultdict(set)
+    for r in select(logs, "step"):
+        if "checksum" in r:
+            by_step[r["step"]].add(r["checksum"])
+    rows = audit_logs(logs)
+    steps = sorted((r["t"], r["world"]) for r in select(logs, "step"))
+    restored, restore_s = [], []
+    for i, k in enumerate(kills):
+        nxt = kills[i + 1]["t"] if i + 1 < len(kills) else math.inf
+        after = [(t, w) for t, w in steps if k["t"] < t < nxt]
+        dropped = [t for t, w in after if w < ranks]
+        back = [t for t, w in after if w == ranks and (not dropped or t > dropped[0])]
+        restored.append(bool(after) and after[-1][1] == ranks)
+        if dropped and back:
+            restore_s.append(back[0] - dropped[0])
+    respawns = select(logs, "respawn")
+    # Every training rank logs each respawn record: count them once.
+    joins = {(r["step"], r["t_spawn"]) for r in respawns if r["status"] == "joined"}
+    failed = {(r["step"], r["reason"]) for r in respawns if r["status"] == "failed"}
+    recs = select(logs, "recovery")
+    train_s = max(e["t"] for e in ends) - min(s["t"] for s in starts)
+    res.update(
+        steps=max(e["steps"] for e in ends), train_s=train_s,
+        final_world=ends[0]["world_history"][-1], world_history_len=len(ends[0]["world_history"]),
+        checksum=ends[0]["checksum"], consistent=all(e["consistent"] for e in ends)
+        and len({e["checksum"] for e in ends}) == 1,
+        replicas_identical_after_every_recovery=all(len(v) == 1 for v in by_step.values()),
+        checked_steps=len(by_step), audit_exact=bool(rows) and all(r.exact and r.finished for r in rows),
+        epochs_audited=len(rows), restored_before_next=sum(restored), restore_s=common.summarize(restore_s),
+        spare_takeovers=len({(r["step"], r["size_before"]) for r in recs if r.get("replaced")}),
+        shrinks=len({(r["step"], r["size_after"]) for r in recs if r["removed"]}),
+        respawn_joins=len(joins), respawn_failed=len(failed),
+        progress=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
+    return res
+
+
+def plot(free: dict, soak: dict, kills: list[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    for label, r in (("failure-free", free), ("soak", soak)):
+        prog = r.get("progress") or []
+        if prog:
+            t0 = prog[0][0]
+            ax.step([t - t0 for t, _ in prog], [w for _, w in prog], where="post", label=label, lw=0.8)
+    if kills and soak.get("progress"):
+        t0 = soak["progress"][0][0]
+        for k in kills:
+            ax.axvline(k["t"] - t0, color="red", lw=0.3, alpha=0.5)
+    ax.set_xlabel("seconds since training started (red: SIGKILL)")
+    ax.set_ylabel("training ranks")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--failures", type=int, default=100, help="SIGKILLs to deliver")
+    p.add_argument("--interval", type=float, default=10.0, help="mean seconds between two SIGKILLs")
+    p.add_argument("--ranks", type=int, default=4, help="training ranks (N)")
+    p.add_argument("--spares", type=int, default=1, help="hot spares (K); respawn refills them")
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=None,
+                   help="epochs of the soak job (default: FAILURES x INTERVAL x 1.2 s at the reference's pace)")
+    p.add_argument("--reference-epochs", type=int, default=None,
+                   help="epochs of the failure-free reference (default: --epochs, else 100); with fewer epochs "
+                        "than the soak, goodput is compared per epoch and the checksums are not compared")
+    p.add_argument("--workdir", type=Path, default=None, help="where ranks write (default: a temporary dir)")
+    common.add_common_args(p, timeout=3600)
+    args = p.parse_args(argv)
+    if args.ranks < 2 or args.failures < 1 or args.interval <= 0 or args.spares < 0:
+        p.error("need --ranks >= 2, --failures >= 1, --interval > 0 and --spares >= 0")
+    from ulfmtrain.data.sources import digits_to_dataset
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_soak."))
+    data = work / "data"
+    if not (data / "train.ulfmds").exists():
+        digits_to_dataset(data)
+    t0 = time.perf_counter()
+    ref_epochs = args.reference_epochs or args.epochs or 100
+    print(f"failure-free reference: {args.ranks} ranks + {args.spares} spares, {ref_epochs} epochs", flush=True)
+    free_run = run_job(args, data, work / "free", ref_epochs, 0)
+    free = measure(work / "free", args.ranks, [])
+    if not free.get("ended"):
+        print(f"the failure-free run did not end: see {free_run['console']}", file=sys.stderr)
+        return 1
+    # Long enough for every kill at the reference's pace, with room for the recoveries.
+    epochs = args.epochs or max(2, math.ceil(args.failures * args.interval * 1.2 / (free["train_s"] / ref_epochs)))
+    print(f"soak: {epochs} epochs, {args.failures} SIGKILLs, one every {args.interval:g} s on average", flush=True)
+    soak_run = run_job(args, data, work / "soak", epochs, args.failures)
+    kills = soak_run["kills"]
+    soak = measure(work / "soak", args.ranks, kills)
+    ok = free.get("ended") and soak.get("ended")
+    headline: dict[str, Any] = {"failures_delivered": len(kills), "job_ended": bool(soak.get("ended"))}
+    if ok:
+        headline.update(
+            failures_survived=len(kills) if soak["consistent"] else 0,
+            steps_committed=soak["steps"], goodput_ratio=free["train_s"] * epochs / ref_epochs / soak["train_s"],
+            lost_s_per_failure=(soak["train_s"] - free["train_s"] * epochs / ref_epochs) / max(1, len(kills)),
+            replicas_identical=soak["consistent"] and soak["replicas_identical_after_every_recovery"],
+            audit_exact=soak["audit_exact"],
+            checksum_equals_failure_free=soak["checksum"] == free["checksum"] if ref_epochs == epochs else None,
+            world_restored_before_next_failure=f"{soak['restored_before_next']}/{len(kills)}",
+            spare_takeovers=soak["spare_takeovers"], respawn_joins=soak["respawn_joins"],
+            respawn_failed=soak["respawn_failed"], shrinks=soak["shrinks"])
+    print(json.dumps(headline, indent=1))
+    png = args.results / f"{NAME}.png"
+    args.results.mkdir(parents=True, exist_ok=True)
+    plot(free, soak, kills, png)
+    for r in (free, soak):
+        r.pop("progress", None)
+    path = common.write_result(args.results, NAME, {
+        "question": __doc__.split("\n\n")[0],
+        "params": {"failures": args.failures, "interval_s": args.interval, "ranks": args.ranks,
+                   "spares": args.spares, "model": args.model, "seed": args.seed, "epochs": epochs,
+                   "reference_epochs": ref_epochs},
+        "command": common.portable(cmd_of(args, epochs)), "reference_rc": free_run["rc"],
+        "headline": headline, "failure_free": free, "soak": soak, "kills": kills, "plot": png.name,
+        "bench_wall_s": time.perf_counter() - t0})
+    common.finish(args, work, path, png)
+    return 0 if ok else 1
+
+
+def cmd_of(args: argparse.Namespace, epochs: int) -> list[str]:
+    argv = train_argv(args, Path("DATA"), Path("OUT"), epochs)
+    i = argv.index("--spares")
+    return ["python", "-m", "ulfmtrain", "launch", "-n", str(args.ranks), "--spares", str(args.spares), "--",
+            *argv[:i], *argv[i + 2:]]
+
+
+if __name__ == "__main__":
+    common.entry(main)

@@ -1,0 +1,79 @@
+"""Respawn: a process spawned in the background takes an empty slot (or refills the spares) at a step boundary,
+with the survivors' live state, while the survivors keep training; the world size comes back."""
+from __future__ import annotations
+
+import pytest
+
+from ulfmtrain.audit import audit_logs
+from ulfmtrain.events import read_rank_logs, select
+
+pytestmark = pytest.mark.faults
+BOUND_S = 180
+TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress", "--replace", "respawn"]
+
+
+def train(mpi, digits_dir, out, slots: int, spares: int, epochs: int, *kills: str):
+    argv = ["train", "--data", str(digits_dir), "--out", str(out), "--spares", str(spares), "--epochs", str(epochs),
+            *TRAIN]
+    for k in kills:
+        argv += ["--kill", k]
+    proc = mpi.run(slots + spares, argv, timeout=BOUND_S)
+    logs = read_rank_logs(out)
+    diag = proc.stdout[-2000:] + proc.stderr[-3000:]
+    # One log per slot: a process that takes a slot goes on writing that slot's log.
+    ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if select(recs, "end")}
+    assert sorted(ends) == list(range(slots)), diag                      # every slot ends: the world is whole
+    assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
+    rows = audit_logs(logs)
+    assert len(rows) == epochs and all(r.exact and r.finished for r in rows), rows
+    return ends[0], logs
+
+
+def respawns(logs, slot: int, status: str) -> list[dict]:
+    return [r for r in select(logs[slot], "respawn") if r["status"] == status]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi, digits_dir, tmp_path):
+    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 30, "1@30")
+    assert end["world_history"] == [4, 3, 4]
+    (spawning,) = respawns(logs, 0, "spawning")
+    (joined,) = respawns(logs, 0, "joined")
+    assert spawning["slots"] == [1] and joined["slots"] == [1] and joined["size_after"] == 4
+    # Training never waited for the spawn: the survivors committed steps, three-wide, until the join.
+    shrunk = [r for r in select(logs[0], "step") if spawning["t"] < r["t"] < joined["t"]]
+    assert len(shrunk) > 10 and {r["world"] for r in shrunk} == {3}, (spawning, joined)
+    assert joined["ready_s"] > 0 and joined["join_ms"] < 5000
+    (newcomer,) = respawns(logs, 1, "newcomer")
+    assert newcomer["slots"] == [1] and select(logs[1], "end")[-1]["steps"] == end["steps"]
+
+
+@pytest.mark.timeout(3 * BOUND_S)
+def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_dir, tmp_path):
+    """The spare takes slot 1; a respawned process becomes the new spare and takes slot 2: no shrink at all."""
+    free, _ = train(mpi, digits_dir, tmp_path / "free", 3, 1, 40)
+    end, logs = train(mpi, digits_dir, tmp_path / "killed", 3, 1, 40, "1@20", "2@1000")
+    joined = respawns(logs, 0, "joined")[0]           # (another refill may join after the second takeover)
+    assert joined["slots"] == [] and joined["spares"] == 1 and joined["step"] < 1000, joined
+    assert end["world_history"] == [3, 3, 3, 3]           # two takeovers and the refill: never shrunk
+    assert [list(r["replaced"]) for r in select(logs[0], "recovery")] == [["1"], ["2"]]
+    assert end["checksum"] == free["checksum"]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, digits_dir, tmp_path):
+    end, logs = train(mpi, digits_dir, tmp_path, 3, 1, 30, "1@15", "2@25")
+    assert end["world_history"][:3] == [3, 3, 2] and end["world_history"][-1] == 3, end
+    first, second = select(logs[0], "recovery")[:2]
+    assert list(first["replaced"]) == ["1"] and second["removed"] == [2]
+    assert any(2 in r["slots"] for r in respawns(logs, 0, "joined"))
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_the_spawning_rank_dies_and_another_survivor_respawns(mpi, digits_dir, tmp_path):
+    """Slot 0, the lowest survivor, spawns after the first kill and is killed while its batch starts."""
+    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 30, "1@30", "0@40")
+    assert end["world_history"][:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
+    failed = respawns(logs, 2, "failed")
+    assert failed and failed[0]["reason"] == "the spawning rank failed", failed
+    assert sorted(s for r in respawns(logs, 2, "joined") for s in r["slots"]) == [0, 1]

@@ -1,0 +1,37 @@
+"""The soak's small version: 20 SIGKILLs from outside, one every 6 s on average, of random training ranks of one
+4-rank job with a spare and respawn.  Every failure is survived, the replicas stay identical, every record is
+seen exactly once per epoch, and respawned processes bring the world back.  (benchmarks/bench_soak.py, full
+size: 100 failures at 10 s.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+BENCH = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "bench_soak.py"
+FAILURES, BOUND_S = 20, 480
+
+
+@pytest.mark.timeout(BOUND_S + 30)
+def test_twenty_failures_in_one_job(tmp_path):
+    cmd = [sys.executable, "-P", str(BENCH), "--failures", str(FAILURES), "--interval", "6", "--ranks", "4",
+           "--spares", "1", "--reference-epochs", "20", "--results", str(tmp_path / "results"),
+           "--workdir", str(tmp_path / "work"), "--timeout", "360"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the soak did not finish in {BOUND_S} s:\n{exc.stdout}\n{exc.stderr}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "results" / "soak.json").read_text())
+    h = data["headline"]
+    assert h["failures_delivered"] == FAILURES and h["failures_survived"] == FAILURES, h
+    assert h["replicas_identical"] and h["audit_exact"], h
+    assert data["soak"]["checked_steps"] > 0                 # checksums compared after the recoveries
+    assert h["spare_takeovers"] >= 1 and h["respawn_joins"] >= 1, h
+    restored, delivered = map(int, h["world_restored_before_next_failure"].split("/"))
+    assert delivered == FAILURES and restored >= 1, h
+    assert 0 < h["goodput_ratio"] < 1.5 and h["steps_committed"] > 0, h

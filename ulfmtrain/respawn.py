@@ -1,0 +1,383 @@
+"""Respawn (`--replace respawn`): processes spawned in the background refill the empty slots and the spares.
+
+Once no spare is left, a failure leaves its slot empty and the survivors train
+on, shrunk.  At the next step boundary the lowest survivor alone spawns, on a
+thread (MPI runs with THREAD_MULTIPLE), one process per empty slot plus one per
+missing spare, each as its own MPI job over MPI_COMM_SELF (PRRTE ends a whole
+spawned job when one of its processes dies), and everyone keeps training.  A
+newcomer imports torch, says it is ready, and waits (test-and-sleep) merged
+with the spawning rank.  Every commit agree carries three more bits
+(comm.py `_commit_bits`): "I own a batch", "a newcomer is ready", "it
+succeeded"; only the owner sends zeros, so every rank learns the same state at
+the same step.  At each step boundary where a newcomer is ready and the world
+has an empty slot or lacks a spare, every rank joins it alike: an
+intercommunicator from the survivors' world to it (the owner leads), merged and
+dup'ed fault-tolerantly; it takes the lowest empty slot or waits as a spare;
+the training communicator is split again in slot order; the data partition
+rebalances (join listeners); and after the step's update the survivors hand it
+the committed state, as they do for spares.  No checkpoint, no rollback.  Only
+the owner's death loses a batch (its newcomers leave, and the next lowest
+survivor spawns again); a spawn or a join that fails leaves the world at its
+size, is reported to the listeners, and is tried again after the next failure.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _ftcoll, lifecycle
+from .comm import _fault_tolerant_dup, require_fault_tolerance
+from .reinit import _watchdog
+from .spares import WAIT_POLL_S, SpareComm
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+END, JOIN = 0, 1            # what the spawning rank tells its waiting batch: go away, or join now
+NO_BATCH, READY, OK = 1, 2, 4   # commit-agree bits: nobody owns a batch; a newcomer is ready; no failure
+TAG = 1711                  # of the intercommunicator between the survivors and a batch
+PRELOAD = ("torch._dynamo", "ulfmtrain.trainer")   # imported before a newcomer says it is ready
+JoinListener = Callable[[dict[str, Any]], None]
+
+
+def _wait(req: MPI.Request) -> None:
+    """Complete a request by test-and-sleep: a background wait must not take a core from training."""
+    while not req.Test():
+        time.sleep(WAIT_POLL_S)
+
+
+class _Spawn:
+    """`count` newcomers spawned by their owner on a thread, one MPI job each, and merged with it when ready.
+
+    One job each: PRRTE ends every process of a spawned job when one of them dies (a spawned job is not
+    started recoverable), so a batch spawned as one job would lose every newcomer to one kill.
+    """
+
+    def __init__(self, command: list[str], count: int, slots: list[int]) -> None:
+        self.command, self.count, self.slots = command, count, slots
+        self.t_start = time.time()
+        self.t_spawned = 0.0
+        self._lock = threading.Lock()
+        self._ready: list[tuple[MPI.Intracomm, float]] = []   # (the owner and one newcomer, when ready)
+        self._waiting: list[MPI.Intercomm] = []
+        self.errors: list[str] = []
+        self.stop = False
+        self.finished = threading.Event()                      # every newcomer is ready, or failed
+        threading.Thread(target=self._run, name="ulfmtrain-respawn", daemon=True).start()
+
+    def _run(self) -> None:
+        pending: list[tuple[MPI.Intercomm, MPI.Request]] = []
+        try:
+            for _ in range(self.count):
+                if self.stop:
+                    break
+                try:
+                    inter = MPI.COMM_SELF.Spawn(self.command[0], self.command[1:], maxprocs=1, root=0)
+                    inter.Set_errhandler(MPI.ERRORS_RETURN)
+                    self.t_spawned = self.t_spawned or time.time()
+                    self._waiting.append(inter)
+                    pending.append((inter, inter.Ibarrier()))   # ready: it has imported torch
+                except MPI.Exception as exc:
+                    self.errors.append(f"MPI_Comm_spawn: {exc.Get_error_string()}")
+            while pending and not self.stop:
+                for item in list(pending):
+                    inter, req = item
+                    try:
+                        if not req.Test():
+                            continue
+                        pool = MPI.Intracomm(inter.Merge(high=False))
+                        pool.Set_errhandler(MPI.ERRORS_RETURN)
+                        with self._lock:
+                            self._ready.append((pool, time.time()))
+                    except MPI.Exception as exc:
+                        self.errors.append(f"a newcomer failed before it was ready ({exc.Get_error_string()})")
+                    pending.remove(item)
+                time.sleep(WAIT_POLL_S)
+        finally:
+            self.finished.set()
+
+    def ready(self) -> bool:
+        with self._lock:
+            return bool(self._ready)
+
+    def done(self) -> bool:
+        """Nothing ready, and nothing more will be."""
+        return self.finished.is_set() and not self.ready()
+
+    def pop(self) -> tuple[MPI.Intracomm, dict[str, float]]:
+        """The next ready newcomer's pool, and when it was spawned and ready."""
+        with self._lock:
+            pool, t_ready = self._ready.pop(0)
+        return pool, {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start,
+                      "ready_s": t_ready - self.t_start}
+
+    def times(self) -> dict[str, float]:
+        return {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start}
+
+    def dismiss(self) -> None:
+        """Send the ready newcomers away (END); revoke what the others wait on, so they leave too."""
+        self.stop = True
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for pool, _ in ready:
+            try:
+                pool.Ibcast(np.array([END, 0], dtype=np.int64), root=0).Wait()
+            except MPI.Exception:
+                _ftcoll.revoke(pool)
+        if not self.finished.is_set():
+            for inter in self._waiting:
+                _ftcoll.revoke(inter)
+
+
+class RespawnComm(SpareComm):
+    """A SpareComm whose empty slots and used spares are refilled by processes spawned in the background.
+
+    Args:
+        spares: K waiting spares (0: none); the last K ranks of MPI_COMM_WORLD.
+        command: the program and arguments of a newcomer (this job, without kills: a newcomer takes a slot
+            whose kill has fired).
+    """
+
+    def __init__(self, spares: int, command: list[str]) -> None:
+        self.command, self.spares_target = command, spares
+        self._spawn: _Spawn | None = None
+        self._spawn_wanted = False         # after a failure: refill (a failed spawn waits for the next failure)
+        self._batch_seen = False           # a batch existed at the last boundary
+        self._repaired = False             # a repair happened in the transaction in flight
+        self._join_listeners: list[JoinListener] = []
+        self.joined: dict[str, Any] | None = None    # a newcomer: what it logs about its join
+        parent = MPI.Comm.Get_parent()
+        if parent == MPI.COMM_NULL:
+            super().__init__(spares)
+        else:
+            self._join_as_newcomer(parent)
+
+    def add_join_listener(self, fn: JoinListener) -> None:
+        """Call fn(record) when a spawn starts, joins (after the new communicator, before the handover) or fails."""
+        self._join_listeners.append(fn)
+
+    def _notify(self, status: str, slots: list[int], **fields: Any) -> None:
+        rec = {"status": status, "slots": slots, "step": self.step, "world": self.size, **fields}
+        for fn in self._join_listeners:
+            fn(rec)
+
+    def _empty(self) -> list[int]:
+        return sorted(set(range(self.slots)) - set(self.alive))
+
+    # -- the survivors ----------------------------------------------------------
+    def _commit_bits(self) -> int:
+        # ANDed over the training ranks: only the owner of a batch (the rank that spawned it) sends zeros,
+        # so every rank learns its state, also a spare that took a slot after the batch was started.
+        s = self._spawn
+        if s is None:
+            return NO_BATCH | READY | OK
+        if s.ready():
+            return READY | OK
+        return READY if s.finished.is_set() else OK      # finished with nothing ready: it failed
+
+    def transaction(self, attempt: Any, commit: Any = None, *, what: str = "step",
+                    before_agree: Any = None) -> Any:
+        self._repaired = False
+        result = super().transaction(attempt, commit, what=what, before_agree=before_agree)
+        # After a repair the agreed bits may include a rank that is now dead: decide at the next boundary.
+        if what == "step" and self.slot is not None and not self._repaired:
+            self._boundary()
+        return result
+
+    def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
+        super()._repair(what, committed, t_start, t_error, agree_ms)
+        self._repaired = self._spawn_wanted = True
+
+    def _boundary(self) -> None:
+        """After a committed step: join a ready batch, or start one (every decision here is uniform)."""
+        bits = self.agreed_bits
+        # A spare that took a slot in this step is not at this boundary: it waits for the state.
+        if self.pending_handover is not None:
+            return
+        if not bits & NO_BATCH:
+            self._batch_seen = True
+            if not bits & READY:
+                return                                   # not ready: train on
+            s = self._spawn
+            if not bits & OK:
+                self._batch_seen, self._spawn = False, None
+                self._notify("failed", s.slots if s else [],
+                             reason="; ".join(s.errors) if s and s.errors else "MPI_Comm_spawn failed",
+                             **(s.times() if s else {}))
+            elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
+                # (A waiting spare would not take part: a newcomer joins once none is left.)  One newcomer
+                # per boundary; the next one, if any, at the next.
+                self._batch_seen = False
+                self._join(s)
+                if s is not None and s.done():
+                    self._spawn = None
+            return
+        if self._batch_seen:                             # gone without a join: its owner died
+            self._batch_seen = False
+            self._notify("failed", [], reason="the spawning rank failed")
+        empty = self._empty()
+        count = len(empty) + self.spares_target - self.spares_left
+        # World rank 0, the lowest survivor, spawns alone: it leads the join (waiting spares rank last).
+        if self._spawn_wanted and count > 0 and self.world.Get_rank() == 0:
+            self._spawn_wanted = False
+            self._spawn = _Spawn(self.command, count, empty)
+            self._notify("spawning", empty, count=count, t_spawn=self._spawn.t_start)
+
+    def _join(self, s: _Spawn | None) -> None:
+        """Every training rank (s: the batch on its owner, None elsewhere): one ready newcomer joins the world."""
+        t0 = time.perf_counter()
+        ok, world, info, held, pool = 1, None, {}, [], None
+        times: dict[str, float] = {}
+        try:
+            # The leader's peer is its pool (the newcomer is rank 1 of it); elsewhere it is not read.
+            peer = self.world
+            if s is not None:
+                pool, times = s.pop()
+                peer = pool
+                pool.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the newcomer waits in Ibcast
+            inter = self.world.Create_intercomm(0, peer, 1, TAG)
+            merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
+            world = _fault_tolerant_dup(merged)
+            merged.Free()
+            inter.Free()
+        except MPI.Exception:
+            ok = 0
+        # Uniform among the survivors (the old world is whole: this step's commit agree just said so).
+        flag, status = _ftcoll.agree(self.world, ok)
+        if flag and status == _ftcoll.OK and world is not None:
+            try:
+                info = world.bcast({"slots": self.slots, "history": self.world_history, **times} if s
+                                   else None, root=0)
+                held = world.allgather(self.slot)
+                flag, status = _ftcoll.agree(world, 1)
+            except MPI.Exception:
+                flag = 0
+        if not (flag and status == _ftcoll.OK) or world is None:
+            for c in (world, pool):
+                if c is not None:
+                    _ftcoll.revoke(c)
+            self._notify("failed", [], reason="a process failed during the join")
+            return
+        size_before = self.size
+        times = {k: info[k] for k in ("t_spawn", "spawn_s", "ready_s")}
+        plan = self._take_world(world, held)
+        self.world_history.append(self.size)
+        self._spawn_wanted = True           # a spare may still be missing
+        self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,
+                     size_after=self.size, join_ms=(time.perf_counter() - t0) * 1e3, **times)
+        if plan["taken"] and self.handover is not None:
+            self.pending_handover = (plan["root"], 0)   # after this step's update (DistributedOptimizer.step)
+
+    def _take_world(self, world: MPI.Intracomm, held: list[int | None]) -> dict[str, Any]:
+        """Everyone, survivors and newcomers: the lowest newcomers take the empty slots; split in slot order."""
+        survivors = [s for s in held if s is not None]
+        newcomers = [r for r, s in enumerate(held) if s is None]
+        taken = dict(zip(sorted(set(range(self.slots)) - set(survivors)), newcomers))
+        if self.slot is None and world.Get_rank() in taken.values():
+            self.slot = next(s for s, r in taken.items() if r == world.Get_rank())
+        old, self.world = getattr(self, "world", None), world
+        if old is not None:
+            old.Free()
+        if getattr(self, "comm", MPI.COMM_NULL) != MPI.COMM_NULL:
+            self.comm.Free()
+        self.comm = self._split()
+        if self.comm != MPI.COMM_NULL:
+            _ftcoll.agree(self.comm, 1)     # before first use: no peer is still creating it
+        self.world_rank = self.slot if self.slot is not None else -1
+        self.alive = sorted(survivors + list(taken))
+        self.spares_left = len(newcomers) - len(taken)
+        return {"taken": taken, "spares": self.spares_left, "root": self.alive.index(min(survivors))}
+
+    def close(self) -> None:
+        """Training ranks, at the end: send a batch in flight or waiting away, then release the spares."""
+        s, self._spawn = self._spawn, None
+        if s is not None and self.slot is not None:
+            # Bounded: a spawn that never completes is left to the newcomers' own watchdog.
+            s.dismiss()
+            self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
+        self.release_spares()
+
+    # -- a newcomer -------------------------------------------------------------
+    def _join_as_newcomer(self, parent: MPI.Intercomm) -> None:
+        """Get ready, merge with the spawning rank, wait (test-and-sleep) for the join, and take part in it."""
+        require_fault_tolerance()
+        lifecycle.arm_at_exit()
+        t_start = time.time()
+        timer = _watchdog("joining the survivors", "the survivors train on without this process")
+        for module in PRELOAD:     # torch's first optimizer imports torch._dynamo (2 s here)
+            importlib.import_module(module)
+        self.slot, self.handover, self.pending_handover, self.takeover = None, None, None, None
+        code = np.zeros(2, dtype=np.int64)
+        try:
+            parent.Set_errhandler(MPI.ERRORS_RETURN)
+            t_ready = time.time()
+            _wait(parent.Ibarrier())
+            pool = MPI.Intracomm(parent.Merge(high=True))
+            pool.Set_errhandler(MPI.ERRORS_RETURN)
+            timer.cancel()         # ready: waiting in the pool for a failure may take any time
+            _wait(pool.Ibcast(code, root=0))
+            if code[0] != JOIN:
+                raise self._leave(None, "")
+            timer = _watchdog("joining the survivors", "the survivors train on without this process")
+            MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
+            inter = MPI.COMM_WORLD.Create_intercomm(0, pool, 0, TAG)
+            merged = MPI.Intracomm(inter.Merge(high=True))
+            world = _fault_tolerant_dup(merged)
+            merged.Free()
+            info = world.bcast(None, root=0)
+            held = world.allgather(None)
+            flag, status = _ftcoll.agree(world, 1)
+            if not (flag and status == _ftcoll.OK):
+                raise self._leave(timer, "a process failed during the join")
+        except MPI.Exception as exc:
+            raise self._leave(timer, f"the survivors went away ({exc.Get_error_string()})") from None
+        self.slots = info["slots"]
+        self._setup(MPI.Intracomm(MPI.COMM_NULL), -1, [])
+        plan = self._take_world(world, held)
+        timer.cancel()
+        self.world_history = info["history"] + [self.size]
+        if self.slot is not None:
+            self.takeover = {"slot": self.slot, "root": plan["root"]}
+        self.joined = {"status": "newcomer", "slots": [] if self.slot is None else [self.slot],
+                       "t_start": t_start, "ready_s": t_ready - t_start, "t_joined": time.time(),
+                       "world": self.size}
+
+    @staticmethod
+    def _leave(timer: threading.Timer | None, why: str) -> SystemExit:
+        """A newcomer that is not needed exits (0) through the bounded finalize."""
+        if timer is not None:
+            timer.cancel()
+        if why:
+            print(f"ulfmtrain: warning: a respawned process leaves: {why}; the survivors train on",
+                  file=sys.stderr, flush=True)
+        return SystemExit(lifecycle.finalize(5.0, 0))
+
+
+def attach(trainer: Trainer) -> None:
+    """Rebalance `trainer`'s data at every join and log every respawn record in its event log."""
+    from .data.plan import initial_holdings
+    from .events import Event
+
+    comm = trainer.comm
+    assert isinstance(comm, RespawnComm)
+
+    def on_record(rec: dict[str, Any]) -> None:
+        if rec["status"] == "joined" and rec["slots"]:
+            # The partition of this world, as a fresh trainer (a newcomer's) computes it.
+            shards = initial_holdings(trainer.train.count, comm.size)
+            here = {w: shards[i] for i, w in enumerate(comm.alive)}
+            trainer.sampler.rebalance(here)
+            got, secs = trainer.shard.retarget(here[comm.world_rank])
+            rec.update(rebalance_ms=secs * 1e3, bytes_read=got)
+        trainer.log(Event.RESPAWN, **rec)
+
+    comm.add_join_listener(on_record)
+    if comm.joined:
+        trainer.log(Event.RESPAWN, **comm.joined)
