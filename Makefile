@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ulfmtrain-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-long bench clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,9 @@ demo: setup
 
 test: setup
 	$(PY) -P -m pytest
+
+test-long: setup
+	$(PY) -P -m pytest -m long
 
 bench: setup
 	$(PY) -P benchmarks/run_all.py

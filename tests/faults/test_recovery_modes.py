@@ -183,7 +183,7 @@ def test_compare_reports_every_field(digits_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-P", "-m", "ulfmtrain", "compare", "--out", str(out), "--data", str(digits_dir),
            "--model", "mlp", "--epochs", "2", "--ckpt-every", "10", "--strategies", "overlapped", "--no-reference",
-           "--spares", "1"]
+           "--spares", "1", "--modes", "shrink,restart,reinit"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * RUN_S)
     assert proc.returncode == 0, diag(proc)
     report = json.loads((out / "compare.json").read_text())

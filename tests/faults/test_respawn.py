@@ -69,6 +69,7 @@ def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, di
     assert any(2 in r["slots"] for r in respawns(logs, 0, "joined"))
 
 
+@pytest.mark.long          # about a minute: two spawns one after the other
 @pytest.mark.timeout(2 * BOUND_S)
 def test_the_spawning_rank_dies_and_another_survivor_respawns(mpi, digits_dir, tmp_path):
     """Slot 0, the lowest survivor, spawns after the first kill and is killed while its batch starts."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.long]     # about 5 minutes: `python -P -m pytest -m long`
 BENCH = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "bench_soak.py"
 FAILURES, BOUND_S = 20, 480
 
