@@ -372,17 +372,23 @@ def _cut_off_side_stopped(hosts: dict, ns: str, tmp_path: Path, logs: dict, cut_
         assert world == len(survivors) or step <= last_whole + 1, (step, world)
 
 
-def test_agent_launch_cut_link_only_the_head_side_goes_on(two_hosts, digits_dir, tmp_path):
-    """Ranks 0 and 1 (the writers) on host b, mpirun on host a; b's link is cut: a's ranks go on after the
-    keep-alive bound and write the summary; b's ranks stop with one line each and commit nothing more."""
+def _writers_on_b(two_hosts, digits_dir, tmp_path, epochs: int):
+    """An agent launch from host a with ranks 0 and 1 (the writers) on host b, once it has trained 30 steps."""
     hosts, agent, _ = two_hosts
     a, b = list(hosts)
     hostfile = tmp_path / "hosts-b-first"
     hostfile.write_text(f"{b} slots=2\n{a} slots=2\n")
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     proc = start_agent_job(hosts, agent, hostfile, a, 4, out,
-                           ["--epochs", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "10"], digits_dir)
+                           ["--epochs", str(epochs), "--ckpt-dir", str(ckpt), "--ckpt-every", "10"], digits_dir)
     assert wait_for(lambda: steps_of(out, 2) >= 30, proc, 100), "training never reached step 30"
+    return hosts, a, b, out, ckpt, proc
+
+
+def test_agent_launch_cut_link_only_the_head_side_goes_on(two_hosts, digits_dir, tmp_path):
+    """Ranks 0 and 1 (the writers) on host b, mpirun on host a; b's link is cut: a's ranks go on after the
+    keep-alive bound and write the summary; b's ranks stop with one line each and commit nothing more."""
+    hosts, a, b, out, ckpt, proc = _writers_on_b(two_hosts, digits_dir, tmp_path, epochs=6)
     t_cut = time.time()
     links_down(hosts[b])
     diag = finished(proc, tmp_path)
@@ -400,14 +406,7 @@ def test_agent_launch_cut_link_only_the_head_side_goes_on(two_hosts, digits_dir,
 def test_agent_launch_frozen_host_is_dropped_and_stops_when_it_wakes(two_hosts, digits_dir, tmp_path):
     """Every process of host b (ranks 0 and 1) SIGSTOPped: a's ranks go on after the keep-alive bound; when b
     wakes (SIGCONT) in mid-training, its ranks stop with one line each and commit nothing more."""
-    hosts, agent, _ = two_hosts
-    a, b = list(hosts)
-    hostfile = tmp_path / "hosts-b-first"
-    hostfile.write_text(f"{b} slots=2\n{a} slots=2\n")
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    proc = start_agent_job(hosts, agent, hostfile, a, 4, out,
-                           ["--epochs", "8", "--ckpt-dir", str(ckpt), "--ckpt-every", "10"], digits_dir)
-    assert wait_for(lambda: steps_of(out, 2) >= 30, proc, 100), "training never reached step 30"
+    hosts, a, b, out, ckpt, proc = _writers_on_b(two_hosts, digits_dir, tmp_path, epochs=8)
     t_freeze = time.time()
     assert signal_host(hosts[b], "STOP")
     repaired = wait_for(lambda: any(x["event"] == "recovery" for x in read_rank_logs(out).get(2, [])), proc, 60)
