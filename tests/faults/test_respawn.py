@@ -7,7 +7,8 @@ import pytest
 from ulfmtrain.audit import audit_logs
 from ulfmtrain.events import read_rank_logs, select
 
-pytestmark = pytest.mark.faults
+# Every respawn test is long: a join can still meet a non-process MPI error (issue 11), so none runs in CI.
+pytestmark = [pytest.mark.faults, pytest.mark.long]
 BOUND_S = 180
 TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress", "--replace", "respawn"]
 
@@ -48,7 +49,6 @@ def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi,
     assert newcomer["slots"] == [1] and select(logs[1], "end")[-1]["steps"] == end["steps"]
 
 
-@pytest.mark.long          # a join can still meet a non-process MPI error under load (issue 11): not in CI
 @pytest.mark.timeout(3 * BOUND_S)
 def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_dir, tmp_path):
     """The spare takes slot 1; a respawned process becomes the new spare and takes slot 2: no shrink at all."""
@@ -61,7 +61,6 @@ def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_di
     assert end["checksum"] == free["checksum"]
 
 
-@pytest.mark.long          # a join can still meet a non-process MPI error under load (issue 11): not in CI
 @pytest.mark.timeout(2 * BOUND_S)
 def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, digits_dir, tmp_path):
     end, logs = train(mpi, digits_dir, tmp_path, 3, 1, 30, "1@15", "2@25")
