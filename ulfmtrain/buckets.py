@@ -53,10 +53,6 @@ class GradBucket:
             self.recv = torch.zeros(n, dtype=wire)
         self.set_views()
 
-    @property
-    def nbytes(self) -> int:
-        return self.send.numel() * self.send.element_size()
-
     def set_views(self) -> None:
         """Make every parameter's .grad a view of the bucket (zeros until backward)."""
         for p, g in zip(self.params, self.grad.split(self.sizes)):

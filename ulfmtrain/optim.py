@@ -76,7 +76,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._skip_sync = False
         self._samples: int | None = None          # declared by begin_step()
-        self._overlapped: list[AttemptFailed] | None = None  # the overlapped first attempt: [] or [its failure]
+        self._overlapped = False                   # this step's first attempt ran during backward
+        self._overlap_failure: AttemptFailed | None = None
         self._weight_sent = 1.0
         self.overlap = Overlap(self.buckets, self._begin_overlapped, self._reduce_bucket) if overlap else None
         self._commit_hooks: list[Callable[[], None]] = []
@@ -198,7 +199,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if samples is None:
             samples = self._samples
         if self.overlap is not None:
-            self._overlapped = self.overlap.wait()
+            self._overlap_failure, self._overlapped = self.overlap.wait(), True
             if self._weight(samples) != self._weight_sent:
                 raise ValueError(f"step(samples={samples}) after backward was weighted with {self._weight_sent}: "
                                  "with overlap, call begin_step(samples) before backward")
@@ -219,26 +220,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Buckets in order, then the sample count and the module buffers: the overlapped first
         # attempt and a synchronous redo issue the same reductions in the same order (a spare
         # that joins a redo may be overlapping while the survivors are not).
-        overlapped, self._overlapped = self._overlapped, None
-        pairs: list[tuple[np.ndarray, np.ndarray] | None] = [(b.send.numpy(), b.recv.numpy()) for b in self.buckets]
-        if overlapped is None:
+        overlapped, self._overlapped = self._overlapped, False
+        if overlapped and self._overlap_failure is not None:
+            raise self._overlap_failure         # the communicator is already revoked
+        if not overlapped:
             for fn in self._attempt_hooks:
                 fn(self.step_count, attempt)
-        else:
-            if overlapped:
-                raise overlapped[0]             # the communicator is already revoked
-            pairs = [None] * len(pairs)         # reduced during backward
         lowest = self.comm.rank == 0
         for bb in self._buffer_buckets:       # the world may have shrunk since the last attempt
             bb.prepare(self._count[0][0], lowest)
-        pairs += [self._count, *((bb.send.numpy(), bb.recv.numpy()) for bb in self._buffer_buckets)]
+        pairs = [*((b.send.numpy(), b.recv.numpy()) for b in self.buckets), self._count,
+                 *((bb.send.numpy(), bb.recv.numpy()) for bb in self._buffer_buckets)]
         kill_at = self._kill_index()
-        for i, pair in enumerate(pairs):
-            if pair is None:
-                continue
+        # The overlapped attempt reduced the gradient buckets during backward.
+        for i in range(len(self.buckets) if overlapped else 0, len(pairs)):
             if i == kill_at:
                 faults.point(self.step_count, Phase.ALLREDUCE)
-            self.comm.reduce_try(pair[0], pair[1], MPI.SUM)
+            self.comm.reduce_try(*pairs[i], MPI.SUM)
 
     def _commit(self, _: None) -> None:
         total = float(self._count[1][0])

@@ -48,7 +48,7 @@ class Overlap:
         self._enabled = True
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._done = threading.Semaphore(0)
-        self.statuses: list[int] = []
+        self._status = 0                     # the step's first failed reduction (0: none yet)
         self.started = self.failed = 0.0     # MPI.Wtime() of this step's first bucket, and of its first error
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ulfmtrain-allreduce", daemon=True)
@@ -88,9 +88,9 @@ class Overlap:
             self._queue.put(self._next)
             self._next += 1
 
-    def wait(self) -> list[AttemptFailed]:
+    def wait(self) -> AttemptFailed | None:
         """After backward: hand over the buckets still incomplete (unused parameters), wait for every
-        reduction; return [] if all completed, else [the failure]; the next step starts afresh."""
+        reduction; return the step's failure (None: all completed); the next step starts afresh."""
         if self._weight is None:
             self._start()
         for i in range(self._next, len(self.buckets)):
@@ -98,32 +98,26 @@ class Overlap:
         self._launch_ready()
         for _ in self.buckets:
             self._done.acquire()
-        statuses, self.statuses = self.statuses, []
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        failed = next((s for s in statuses if s), 0)
-        outcome = [AttemptFailed(failed, self.started, self.failed)] if failed else []
+        outcome = AttemptFailed(self._status, self.started, self.failed) if self._status else None
+        self._status = 0
         self._fired.clear()
         self._count = [0] * len(self.buckets)
         self._next, self._weight = 0, None
         return outcome
 
     def _run(self) -> None:
-        failed = 0
         while (i := self._queue.get()) is not None:
-            if i == 0:
-                failed = 0
-            b = self.buckets[i]
-            try:
-                b.wait_staged()
-                status = failed or self._reduce(i)   # after a failure the communicator is revoked: skip
-            except BaseException as exc:           # noqa: BLE001  # raised again on the caller's thread by wait()
-                self._error, status = exc, -1
-            if status and not failed:
-                self.failed = MPI.Wtime()
-            failed = failed or status
-            self.statuses.append(status)
+            if not self._status:             # after a failure the communicator is revoked: skip the rest
+                try:
+                    self.buckets[i].wait_staged()
+                    status = self._reduce(i)
+                except BaseException as exc:  # noqa: BLE001  # raised again on the caller's thread by wait()
+                    self._error, status = exc, -1
+                if status:
+                    self._status, self.failed = status, MPI.Wtime()
             self._done.release()
 
     def close(self) -> None:
