@@ -89,7 +89,27 @@ def run_script(n: int, script: Path, args: list[str], timeout: float,
     return _run([*mpirun_prefix(n), sys.executable, "-P", str(script), *args], timeout, env)
 
 
+def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: float,
+                ended: list[int]) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+    """Run `train ARGV --out OUT` on `ranks` ranks; check that the slots `ended` end, on one replica, with every
+    record of every epoch seen exactly once; return each slot's end record and the logs."""
+    from ulfmtrain.audit import audit_logs
+    from ulfmtrain.events import read_rank_logs, select
+
+    proc = run_mpi(ranks, [*argv, "--out", str(out)], timeout)
+    logs = read_rank_logs(out)
+    diag = proc.stdout[-2000:] + proc.stderr[-3000:]
+    # One log per slot: a process that takes a slot goes on writing that slot's log.
+    ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if select(recs, "end")}
+    assert sorted(ends) == ended, diag
+    assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
+    rows = audit_logs(logs)
+    assert len(rows) == epochs and all(r.exact and r.finished for r in rows), rows
+    return ends, logs
+
+
 @pytest.fixture(scope="session")
 def mpi():
     """The helpers above, for tests (importlib mode keeps conftest out of reach of imports)."""
-    return type("Mpi", (), {"run": staticmethod(run_mpi), "script": staticmethod(run_script), "root": ROOT})
+    return type("Mpi", (), {"run": staticmethod(run_mpi), "script": staticmethod(run_script),
+                            "train_slots": staticmethod(train_slots), "root": ROOT})

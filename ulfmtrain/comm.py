@@ -214,7 +214,10 @@ class FaultTolerantComm(_CommBase):
                 return result               # type: ignore[return-value]
             if agreed != _ftcoll.FAILED:
                 # Every survivor sees the same flag 0 with nobody dead: a real error, raised everywhere.
-                raise FaultPathError(f"{what}: an MPI error that is not a process failure (no rank died)")
+                mine = {_ftcoll.OK: "completed", _ftcoll.FAILED: "met a process failure or a revoke",
+                        _ftcoll.ERROR: "met another MPI error"}[status]
+                raise FaultPathError(f"{what}: an MPI error that is not a process failure (no rank died; "
+                                     f"world rank {self.world_rank}'s attempt {n} {mine})")
             self._repair(what, bool(flag), t0 if status != _ftcoll.OK else t_error, t_error, agree_ms)
             if flag:
                 return result               # type: ignore[return-value]

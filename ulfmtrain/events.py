@@ -81,11 +81,23 @@ class EventLog:
 
 
 def read_rank_logs(out_dir: str | Path) -> dict[int, list[dict]]:
-    """Every rank's records, keyed by world rank."""
+    """Every rank's records, keyed by world rank.
+
+    A last line without its newline is one a live rank is still writing (or
+    one cut by SIGKILL): it is left out, so logs can be read while a run goes.
+    """
     logs = {}
     for p in sorted(Path(out_dir).glob("rank*.jsonl")):
-        logs[int(p.stem[4:])] = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        lines = p.read_text().split("\n")[:-1]     # the piece after the last newline is unfinished
+        logs[int(p.stem[4:])] = [_record(p, i, line) for i, line in enumerate(lines, 1) if line.strip()]
     return logs
+
+
+def _record(path: Path, lineno: int, line: str) -> dict:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path.name} line {lineno} is not a JSON record ({e}); was the file edited by hand?") from e
 
 
 def select(records: dict[int, list[dict]] | Iterable[dict], kind: Event | str) -> list[dict]:

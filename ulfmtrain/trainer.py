@@ -278,11 +278,7 @@ class Trainer:
             self._bar.close()
         faults.point(self.opt.step_count, "final")
         crc = _int32(self.opt.checksum())
-        # Agree (uniform, and repaired if a rank dies now) on the AND of the
-        # checksum and of its complement: both come back unchanged only if
-        # every survivor holds the same replica.
-        consistent = self.comm.agree(crc) == crc
-        consistent = (self.comm.agree(~crc) == ~crc) and consistent
+        consistent = self._final_check(crc)
         self._log_events()
         summary = {
             "steps": self.opt.step_count, "epochs": self.cfg.epochs, "samples": self.opt.samples_total,
@@ -297,6 +293,18 @@ class Trainer:
         if self.out_dir is not None:
             self._write_summary(summary)
         return summary
+
+    def _final_check(self, crc: int) -> bool:
+        """Agree (uniform) on the AND of the checksum and of its complement: both come back unchanged only if
+        every survivor holds the same replica.  After a repair the check starts over: a spare that took a
+        slot in it was handed the state and starts the check from its beginning."""
+        while True:
+            seen = len(self.comm.events)
+            same = self.comm.agree(crc) == crc
+            if len(self.comm.events) == seen:
+                same = (self.comm.agree(~crc) == ~crc) and same
+                if len(self.comm.events) == seen:
+                    return same
 
     def _write_summary(self, summary: dict[str, Any]) -> None:
         """The lowest survivor writes summary.json after the final decision; if a rank dies meanwhile, again."""

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import read_rank_logs, select
+from ulfmtrain.events import select
 
 # Every respawn test is long: a join can still meet a non-process MPI error (issue 11), so none runs in CI.
 pytestmark = [pytest.mark.faults, pytest.mark.long]
@@ -14,19 +13,10 @@ TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progre
 
 
 def train(mpi, digits_dir, out, slots: int, spares: int, epochs: int, *kills: str):
-    argv = ["train", "--data", str(digits_dir), "--out", str(out), "--spares", str(spares), "--epochs", str(epochs),
-            *TRAIN]
+    argv = ["train", "--data", str(digits_dir), "--spares", str(spares), "--epochs", str(epochs), *TRAIN]
     for k in kills:
         argv += ["--kill", k]
-    proc = mpi.run(slots + spares, argv, timeout=BOUND_S)
-    logs = read_rank_logs(out)
-    diag = proc.stdout[-2000:] + proc.stderr[-3000:]
-    # One log per slot: a process that takes a slot goes on writing that slot's log.
-    ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if select(recs, "end")}
-    assert sorted(ends) == list(range(slots)), diag                      # every slot ends: the world is whole
-    assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
-    rows = audit_logs(logs)
-    assert len(rows) == epochs and all(r.exact and r.finished for r in rows), rows
+    ends, logs = mpi.train_slots(slots + spares, argv, out, epochs, BOUND_S, list(range(slots)))
     return ends[0], logs
 
 

@@ -22,18 +22,10 @@ TRAIN = ["--epochs", str(EPOCHS), "--model", "cnn-bn", "--bucket-bytes", "20000"
 
 
 def train(mpi, digits_dir, out, spares: int, *kills: str, slots: int = SLOTS, ended: list[int] | None = None):
-    argv = ["train", "--data", str(digits_dir), "--out", str(out), "--spares", str(spares), *TRAIN]
+    argv = ["train", "--data", str(digits_dir), "--spares", str(spares), *TRAIN]
     for k in kills:
         argv += ["--kill", k]
-    proc = mpi.run(SLOTS + spares, argv, timeout=BOUND_S)
-    logs = read_rank_logs(out)
-    diag = proc.stdout[-2000:] + proc.stderr[-3000:]
-    # One log per slot: a spare that takes a slot goes on writing that slot's log.
-    ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if select(recs, "end")}
-    assert sorted(ends) == (ended or list(range(slots))), diag
-    assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
-    rows = audit_logs(logs)
-    assert len(rows) == EPOCHS and all(r.exact and r.finished for r in rows), rows
+    ends, logs = mpi.train_slots(SLOTS + spares, argv, out, EPOCHS, BOUND_S, ended or list(range(slots)))
     return ends[min(ends)], logs
 
 
@@ -53,6 +45,18 @@ def test_a_spare_takes_the_slot_and_the_run_ends_bit_identical(mpi, digits_dir, 
     (rec,) = select(logs[min(s for s in range(SLOTS) if str(s) != dead)], "recovery")
     assert rec["removed"] == [] and list(rec["replaced"]) == [dead], rec
     assert end["checksum"] == failure_free["checksum"]             # where the failure-free run ends
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+@pytest.mark.parametrize("phase", ["commit", "final"])
+def test_a_spare_takes_the_slot_at_the_very_end(mpi, digits_dir, tmp_path, failure_free, phase):
+    """Slot 1 dies in the last step's commit (the step commits: the hand-over is due after the loop ended), or
+    in the final consistency check: the spare still gets the state, and every slot ends on one replica."""
+    end, logs = train(mpi, digits_dir, tmp_path, 1, f"1@{failure_free['steps'] - 1}:{phase}")
+    assert end["world_history"] == [SLOTS, SLOTS]
+    (rec,) = select(logs[0], "recovery")
+    assert list(rec["replaced"]) == ["1"], rec
+    assert end["checksum"] == failure_free["checksum"] and end["steps"] == failure_free["steps"]
 
 
 @pytest.mark.timeout(2 * BOUND_S)
