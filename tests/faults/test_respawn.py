@@ -46,7 +46,8 @@ def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_di
     end, logs = train(mpi, digits_dir, tmp_path / "killed", 3, 1, 40, "1@20", "2@1000")
     joined = respawns(logs, 0, "joined")[0]           # (another refill may join after the second takeover)
     assert joined["slots"] == [] and joined["spares"] == 1 and joined["step"] < 1000, joined
-    assert end["world_history"] == [3, 3, 3, 3]           # two takeovers and the refill: never shrunk
+    # Two takeovers and the refill (and a second refill if it joins before the end): never shrunk.
+    assert set(end["world_history"]) == {3} and len(end["world_history"]) >= 4, end
     assert [list(r["replaced"]) for r in select(logs[0], "recovery")] == [["1"], ["2"]]
     assert end["checksum"] == free["checksum"]
 
