@@ -10,6 +10,9 @@ repairs.  This module keeps the policy:
   survivor.  If the flag is 1, `commit` runs; then, if a rank died, the
   communicator is repaired.  If the flag is 0 the attempt is redone on the
   repaired communicator.  So no survivor can ever be a step ahead of another.
+  An MPI error with no rank dead (a transport error) is handled the same way:
+  the communicator is rebuilt with everyone and the attempt redone, up to
+  MAX_ERROR_REDOS times in a row; then FaultPathError, on every survivor.
 * the log of recovery events with their timings, the history of world sizes,
   and the listeners (data re-planning) called after each repair.
 """
@@ -25,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from . import _ftcoll, lifecycle, tether
+from . import _ftcoll, faults, lifecycle, tether
 
 T = TypeVar("T")
 FaultPathError = _ftcoll.FaultPathError
@@ -93,6 +96,7 @@ class RecoveryEvent:
 
 
 Listener = Callable[[RecoveryEvent], None]
+MAX_ERROR_REDOS = 3     # an error with nobody dead that comes back this often is not transient: stop
 
 
 class Comm(Protocol):
@@ -188,6 +192,7 @@ class FaultTolerantComm(_CommBase):
         commit agree may call for, so listeners see the committed state.
         """
         n, self._next_attempt = self._next_attempt, 0
+        errors = 0
         while True:
             self._attempt = n
             t0 = MPI.Wtime()
@@ -199,6 +204,9 @@ class FaultTolerantComm(_CommBase):
             except MPI.Exception as exc:        # an mpi4py call inside the attempt
                 _ftcoll.revoke(self.comm)
                 status = _ftcoll.status_of(exc.Get_error_code())
+            except faults.InjectedError:        # the error phase of a kill schedule (no rank dies)
+                _ftcoll.revoke(self.comm)
+                status = _ftcoll.ERROR
             t_error = t_error or MPI.Wtime()
             if before_agree is not None:
                 before_agree()
@@ -213,12 +221,19 @@ class FaultTolerantComm(_CommBase):
                     self.events[-1].redo_ms = (t_error - t0) * 1e3
                 return result               # type: ignore[return-value]
             if agreed != _ftcoll.FAILED:
-                # Every survivor sees the same flag 0 with nobody dead: a real error, raised everywhere.
-                mine = {_ftcoll.OK: "completed", _ftcoll.FAILED: "met a process failure or a revoke",
-                        _ftcoll.ERROR: "met another MPI error"}[status]
-                raise FaultPathError(f"{what}: an MPI error that is not a process failure (no rank died; "
-                                     f"world rank {self.world_rank}'s attempt {n} {mine})")
+                # Every survivor sees the same flag 0 with nobody dead: an MPI error that is not a process
+                # failure.  Rebuild the communicator with everyone and redo, a bounded number of times.
+                errors += 1
+                if errors > MAX_ERROR_REDOS:
+                    mine = {_ftcoll.OK: "completed", _ftcoll.FAILED: "met a process failure or a revoke",
+                            _ftcoll.ERROR: "met another MPI error"}[status]
+                    raise FaultPathError(f"{what}: an MPI error that is not a process failure, {errors} attempts "
+                                         f"in a row (no rank died; world rank {self.world_rank}'s last {mine})")
+            else:
+                errors = 0
             self._repair(what, bool(flag), t0 if status != _ftcoll.OK else t_error, t_error, agree_ms)
+            if errors:
+                self.events[-1].extra["cause"] = "an MPI error with no rank dead"
             if flag:
                 return result               # type: ignore[return-value]
             n += 1

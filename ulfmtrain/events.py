@@ -25,6 +25,7 @@ class Event(StrEnum):
     AUDIT = "audit"                           # the record ids of one attempt of a step (--audit)
     STEP = "step"                             # a committed step
     KILL = "kill"                             # this rank SIGKILLs itself now
+    INJECTED_ERROR = "injected_error"         # a schedule's error phase: this rank revokes, no rank dies
     RECOVERY = "recovery"                     # a repair (comm.RecoveryEvent)
     REINIT = "reinit"                         # reinit: the world was rebuilt
     RESPAWN = "respawn"                       # respawn: a spawn started, joined or failed (status)
@@ -45,6 +46,7 @@ REQUIRED: dict[Event, frozenset[str]] = {
     Event.AUDIT: frozenset({"step", "attempt", "epoch", "ids"}),
     Event.STEP: frozenset({"step", "loss"}),
     Event.KILL: frozenset({"step", "phase", "spec"}),
+    Event.INJECTED_ERROR: frozenset({"step", "spec"}),
     Event.RECOVERY: frozenset({"step", "what", "committed", "size_before", "size_after", "removed"}),
     Event.REINIT: frozenset({"dead", "size_after"}),
     Event.RESPAWN: frozenset({"status", "slots", "world"}),

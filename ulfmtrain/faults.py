@@ -18,25 +18,36 @@ from .modes import Phase
 PHASES = tuple(p.value for p in Phase)     # what each one means: modes.Phase
 DEFAULT_BACKWARD_FRACTION = 0.5
 _SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?$")
-_HELP = (f"expected RANK@STEP[:PHASE], PHASE one of {', '.join(PHASES).replace('backward', 'backward[=FRACTION]')} "
-         "(e.g. 1@300 or 2@40:backward=0.25)")
+_HELP = (f"expected RANK@STEP[:PHASE], PHASE one of "
+         f"{', '.join(PHASES).replace('backward', 'backward[=FRACTION]').replace('error', 'error[=COUNT]')} "
+         "(e.g. 1@300, 2@40:backward=0.25 or 1@50:error=2)")
 
 
 class KillSpecError(ValueError):
     """A kill schedule that cannot be carried out."""
 
 
+class InjectedError(Exception):
+    """A schedule's error phase fired here: the caller turns it into an MPI error with no rank dead."""
+
+
 @dataclass(frozen=True)
 class Kill:
-    """Rank `rank` SIGKILLs itself at `phase` of global step `step`."""
+    """Rank `rank` SIGKILLs itself at `phase` of global step `step` (the error phase: `count` attempts of
+    the step meet an MPI error on this rank, and nobody dies)."""
 
     rank: int
     step: int
     phase: str = Phase.FORWARD
     fraction: float = DEFAULT_BACKWARD_FRACTION
+    count: int = 1
+
+    @property
+    def kills(self) -> bool:
+        return self.phase != Phase.ERROR
 
     def __str__(self) -> str:
-        tail = f"={self.fraction:g}" if self.phase == Phase.BACKWARD else ""
+        tail = {Phase.BACKWARD: f"={self.fraction:g}", Phase.ERROR: f"={self.count}"}.get(Phase(self.phase), "")
         return f"{self.rank}@{self.step}:{self.phase}{tail}"
 
 
@@ -48,8 +59,12 @@ def parse_kill(spec: str) -> Kill:
     rank, step, phase, frac = int(m[1]), int(m[2]), m[3] or Phase.FORWARD, m[4]
     if phase not in PHASES:
         raise KillSpecError(f"bad kill spec {spec!r}: unknown phase {phase!r}; {_HELP}")
-    if frac is not None and phase != Phase.BACKWARD:
-        raise KillSpecError(f"bad kill spec {spec!r}: only the backward phase takes =FRACTION; {_HELP}")
+    if frac is not None and phase not in (Phase.BACKWARD, Phase.ERROR):
+        raise KillSpecError(f"bad kill spec {spec!r}: only the backward and error phases take =VALUE; {_HELP}")
+    if phase == Phase.ERROR:
+        if frac is not None and not frac.isdigit() or frac is not None and int(frac) < 1:
+            raise KillSpecError(f"bad kill spec {spec!r}: the error count must be a whole number from 1; {_HELP}")
+        return Kill(rank, step, phase, count=int(frac or 1))
     fraction = DEFAULT_BACKWARD_FRACTION
     if frac is not None:
         try:
@@ -63,9 +78,10 @@ def parse_kill(spec: str) -> Kill:
 
 def parse_kills(specs: Iterable[str], world_size: int | None = None, spares: int = 0) -> list[Kill]:
     """Parse and check a whole schedule against the world size (spares can fill as many dead slots)."""
-    kills = [parse_kill(s) for s in specs]
+    specs_parsed = [parse_kill(s) for s in specs]
+    kills = [k for k in specs_parsed if k.kills]
     if world_size is not None:
-        for k in kills:
+        for k in specs_parsed:
             if k.rank >= world_size:
                 raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of "
                                     f"{world_size} ranks; use RANK@STEP with RANK from 0 to {world_size - 1}")
@@ -76,7 +92,7 @@ def parse_kills(specs: Iterable[str], world_size: int | None = None, spares: int
     dup = {r for r in ranks if ranks.count(r) > 1}
     if dup:
         raise KillSpecError(f"the kill schedule kills rank {min(dup)} twice: give each rank one RANK@STEP at most")
-    return kills
+    return specs_parsed
 
 
 def mid_run_kill(train_records: int, ranks: int, batch: int, epochs: int, every: int = 0) -> str:
@@ -93,6 +109,7 @@ class FaultInjector:
     def __init__(self, kills: Iterable[Kill], world_rank: int,
                  log: Callable[..., None] | None = None) -> None:
         self._mine = {(k.step, k.phase): k for k in kills if k.rank == world_rank}
+        self._errors_left = {k.step: k.count for k in self._mine.values() if not k.kills}
         self._log = log
         self._recovery_armed = False
 
@@ -107,7 +124,13 @@ class FaultInjector:
         kill = self._mine.get((step, phase))
         if phase == "final":      # there is one final check, whatever its step
             kill = next((k for (_, p), k in self._mine.items() if p == "final"), None)
-        if kill is not None:
+        if kill is not None and not kill.kills:
+            if self._errors_left.get(step, 0) > 0:
+                self._errors_left[step] -= 1
+                if self._log:
+                    self._log("injected_error", step=step, spec=str(kill))
+                raise InjectedError(str(kill))
+        elif kill is not None:
             self._die(kill)
         if not self._recovery_armed:
             self._arm_recovery(step)

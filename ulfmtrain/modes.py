@@ -95,6 +95,7 @@ class Phase(StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"      # =FRACTION of the way through backward
     ALLREDUCE = "allreduce"    # between two buckets of the reduction (after the sample count, with one bucket)
+    ERROR = "error"            # no kill: there, the reduction meets an MPI error with no rank dead (=COUNT attempts)
     COMMIT = "commit"          # right before the commit agree
     UPDATE = "update"
     RECOVERY = "recovery"      # inside the next repair, after the shrink
@@ -159,7 +160,7 @@ def run(job: TrainJob) -> int:
     from mpi4py import MPI
 
     from .checkpoint.format import CheckpointError
-    from .comm import FaultToleranceUnavailable
+    from .comm import FaultPathError, FaultToleranceUnavailable
     from .data.format import DatasetError, DatasetFile
     from .device import select_device
     from .faults import KillSpecError, parse_kills
@@ -233,10 +234,10 @@ def run(job: TrainJob) -> int:
         if isinstance(exc, (DatasetError, UsageError)):
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
             return finalize(job.finalize_timeout, 2)
-        if isinstance(exc, CheckpointError):   # raised alike on every rank: rank 0 says it
+        if isinstance(exc, (CheckpointError, FaultPathError)):   # raised alike on every rank: rank 0 says it
             if comm is not None and comm.rank == 0:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-            return finalize(job.finalize_timeout, 2)
+            return finalize(job.finalize_timeout, 2 if isinstance(exc, CheckpointError) else 1)
         traceback.print_exc()                  # unexpected: still leave through the bounded finalize
         return finalize(job.finalize_timeout, 1)
     return finalize(job.finalize_timeout, 0)

@@ -155,7 +155,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Needed with overlap=True, where buckets are weighted as backward fills
         them; without overlap, samples may be given to step() instead.
         """
-        self._pending_handover()
+        self.hand_over_pending()
         self._samples = samples
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -167,7 +167,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _begin_overlapped(self) -> float:
         """The first bucket of this step is ready (on the thread running backward): audit, then weigh."""
-        self._pending_handover()
+        self.hand_over_pending()
         attempt = self.comm.next_attempt
         for fn in self._attempt_hooks:
             fn(self.step_count, attempt)
@@ -204,7 +204,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"step(samples={samples}) after backward was weighted with {self._weight_sent}: "
                                  "with overlap, call begin_step(samples) before backward")
         else:
-            self._pending_handover()
+            self.hand_over_pending()
             for b in self.buckets:
                 b.prepare(self._weight(samples))
             for b in self.buckets:          # on a GPU: the copies to pinned memory, queued above, are done
@@ -236,6 +236,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i in range(len(self.buckets) if overlapped else 0, len(pairs)):
             if i == kill_at:
                 faults.point(self.step_count, Phase.ALLREDUCE)
+                faults.point(self.step_count, Phase.ERROR)     # raises faults.InjectedError, if scheduled
             self.comm.reduce_try(*pairs[i], MPI.SUM)
 
     def _commit(self, _: None) -> None:
@@ -272,12 +273,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         faults.point(self.step_count - 1, Phase.UPDATE)
         self.optimizer.step()
-        self._pending_handover()
+        self.hand_over_pending()
         return loss
 
-    def _pending_handover(self) -> None:
+    def hand_over_pending(self) -> None:
         """After a failure after the last bucket (the step committed): hand over once the update is applied,
-        or at the next synchronize if the update was skipped (a GradScaler's inf step)."""
+        or at the next synchronize if the update was skipped (a GradScaler's inf step), or at the end."""
         pending = getattr(self.comm, "pending_handover", None)
         if pending is not None:
             setattr(self.comm, "pending_handover", None)  # noqa: B010  # a SpareComm's

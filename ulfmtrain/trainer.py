@@ -276,6 +276,7 @@ class Trainer:
     def _finish(self, t_start: float) -> dict[str, Any]:
         if self._bar is not None:
             self._bar.close()
+        self.opt.hand_over_pending()    # a spare that took a slot in a last step whose update was skipped
         faults.point(self.opt.step_count, "final")
         crc = _int32(self.opt.checksum())
         consistent = self._final_check(crc)

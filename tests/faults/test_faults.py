@@ -10,7 +10,7 @@ import pytest
 from ulfmtrain.audit import audit_logs
 from ulfmtrain.data.format import DatasetFile
 from ulfmtrain.data.plan import check_coverage, initial_holdings, plan_recovery
-from ulfmtrain.events import read_rank_logs
+from ulfmtrain.events import read_rank_logs, select
 from ulfmtrain.faults import parse_kills
 
 pytestmark = pytest.mark.faults
@@ -237,3 +237,28 @@ def test_grad_scaler_and_scheduler_through_an_overflow_and_a_failure(mpi, tmp_pa
         assert g["changed"] == [True, False, True, True, True, True]      # step 1 (inf on rank 2) skipped
         assert g["scale"] == 2.0**9                                         # halved once, by the overflow
         assert g["lr"] == pytest.approx(1e-2 * 0.5**3)
+
+
+@pytest.mark.timeout(3 * BOUND_S)
+def test_an_mpi_error_with_nobody_dead_is_redone_with_everyone(mpi, digits_dir, tmp_path):
+    """Rank 2's reduction meets an MPI error inside the buckets in two attempts in a row, and nobody dies:
+    the communicator is rebuilt with all four ranks and the step redone; the run ends on the failure-free
+    bits.  Four in a row is not transient: every rank stops with one line, and keeps what it wrote."""
+    _, free = train_with_kills(mpi, digits_dir, tmp_path / "free", [])
+    proc, logs = train_with_kills(mpi, digits_dir, tmp_path / "twice", ["2@34:error=2"])
+    diag = proc.stderr[-3000:]
+    ends = [select(logs[r], "end") for r in range(RANKS)]
+    assert all(ends) and {e[-1]["checksum"] for e in ends} == {select(free[0], "end")[-1]["checksum"]}, diag
+    assert all(e[-1]["world_history"] == [RANKS] * 3 and e[-1]["consistent"] for e in ends), ends
+    for r in range(RANKS):
+        recs = select(logs[r], "recovery")
+        assert [(x["step"], x["removed"], x["cause"]) for x in recs] == [(34, [], "an MPI error with no rank dead")] * 2
+    assert len(select(logs[2], "injected_error")) == 2
+    assert all(row.exact and row.finished for row in audit_logs(logs))
+
+    proc, logs = train_with_kills(mpi, digits_dir, tmp_path / "stuck", ["2@34:error=4"])
+    assert not any(select(recs, "end") for recs in logs.values())
+    assert all(select(logs[r], "step")[-1]["step"] == 33 for r in range(RANKS))     # every line written is kept
+    lines = [ln for ln in proc.stderr.splitlines() if "ulfmtrain: error" in ln]
+    assert len(lines) == 1 and "not a process failure, 4 attempts in a row" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

@@ -6,8 +6,7 @@ import pytest
 
 from ulfmtrain.events import select
 
-# Every respawn test is long: a join can still meet a non-process MPI error (issue 11), so none runs in CI.
-pytestmark = [pytest.mark.faults, pytest.mark.long]
+pytestmark = pytest.mark.faults
 BOUND_S = 180
 TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress", "--replace", "respawn"]
 
@@ -39,6 +38,7 @@ def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi,
     assert newcomer["slots"] == [1] and select(logs[1], "end")[-1]["steps"] == end["steps"]
 
 
+@pytest.mark.long          # about a minute: two runs of 40 epochs
 @pytest.mark.timeout(3 * BOUND_S)
 def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_dir, tmp_path):
     """The spare takes slot 1; a respawned process becomes the new spare and takes slot 2: no shrink at all."""

@@ -1,7 +1,7 @@
 """Kill-spec parsing and the fault injector's bookkeeping (no MPI, no kills)."""
 import pytest
 
-from ulfmtrain.faults import FaultInjector, Kill, KillSpecError, parse_kill, parse_kills
+from ulfmtrain.faults import FaultInjector, InjectedError, Kill, KillSpecError, parse_kill, parse_kills
 
 
 @pytest.mark.parametrize("spec,kill", [
@@ -12,6 +12,8 @@ from ulfmtrain.faults import FaultInjector, Kill, KillSpecError, parse_kill, par
     ("3@7:allreduce", Kill(3, 7, "allreduce")),
     ("3@7:update", Kill(3, 7, "update")),
     (" 1@9:recovery ", Kill(1, 9, "recovery")),
+    ("1@5:error", Kill(1, 5, "error")),
+    ("1@5:error=3", Kill(1, 5, "error", count=3)),
 ])
 def test_parse_valid(spec, kill):
     assert parse_kill(spec) == kill
@@ -22,6 +24,7 @@ def test_parse_valid(spec, kill):
     ("", "bad kill spec"), ("1", "bad kill spec"), ("a@1", "bad kill spec"), ("1@-2", "bad kill spec"),
     ("1@2:sideways", "unknown phase"), ("1@2:update=0.5", "only the backward"),
     ("1@2:backward=0", "fraction"), ("1@2:backward=1.5", "fraction"), ("1@2:backward=.", "fraction"),
+    ("1@2:error=0", "error count"), ("1@2:error=1.5", "error count"),
 ])
 def test_parse_invalid(spec, word):
     with pytest.raises(KillSpecError, match=word) as exc:
@@ -37,6 +40,22 @@ def test_schedule_checked_against_world():
         parse_kills(["0@1", "1@5"], 2)
     with pytest.raises(KillSpecError, match="twice"):
         parse_kills(["1@1", "1@5"], 4)
+    # An error phase kills nobody: it counts neither as a rank killed nor as a second kill.
+    assert len(parse_kills(["0@1:error", "1@5"], 2)) == 2 and len(parse_kills(["1@1:error", "1@5"], 4)) == 2
+    with pytest.raises(KillSpecError, match="does not exist"):
+        parse_kills(["4@1:error"], 4)
+
+
+def test_injected_error_fires_count_attempts_and_kills_nobody(monkeypatch):
+    seen = []
+    monkeypatch.setattr("ulfmtrain.faults.os.kill", lambda pid, sig: seen.append("signal"))
+    inj = FaultInjector(parse_kills(["1@3:error=2"], 4), world_rank=1, log=lambda ev, **kw: seen.append(ev))
+    inj.at(3, "allreduce")
+    for _ in range(2):                  # the first two attempts of step 3
+        with pytest.raises(InjectedError, match="1@3:error=2"):
+            inj.at(3, "error")
+    inj.at(3, "error")                  # the third goes through
+    assert seen == ["injected_error", "injected_error"]
 
 
 def test_injector_idle_for_other_ranks():
