@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.faults     # about 3 minutes
+pytestmark = [pytest.mark.faults, pytest.mark.long]     # about 3 minutes; once found an inexact audit (issue 11)
 BENCH = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "bench_soak.py"
 FAILURES, BOUND_S = 20, 480
 
