@@ -124,14 +124,13 @@ class FaultInjector:
         kill = self._mine.get((step, phase))
         if phase == "final":      # there is one final check, whatever its step
             kill = next((k for (_, p), k in self._mine.items() if p == "final"), None)
-        if kill is not None and not kill.kills:
-            if self._errors_left.get(step, 0) > 0:
-                self._errors_left[step] -= 1
-                if self._log:
-                    self._log("injected_error", step=step, spec=str(kill))
-                raise InjectedError(str(kill))
-        elif kill is not None:
+        if kill is not None and kill.kills:
             self._die(kill)
+        elif kill is not None and self._errors_left.get(step, 0) > 0:
+            self._errors_left[step] -= 1
+            if self._log:
+                self._log("injected_error", step=step, spec=str(kill))
+            raise InjectedError(str(kill))
         if not self._recovery_armed:
             self._arm_recovery(step)
 

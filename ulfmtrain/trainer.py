@@ -300,12 +300,13 @@ class Trainer:
         every survivor holds the same replica.  After a repair the check starts over: a spare that took a
         slot in it was handed the state and starts the check from its beginning."""
         while True:
-            seen = len(self.comm.events)
-            same = self.comm.agree(crc) == crc
-            if len(self.comm.events) == seen:
-                same = (self.comm.agree(~crc) == ~crc) and same
-                if len(self.comm.events) == seen:
-                    return same
+            seen, same = len(self.comm.events), []
+            for value in (crc, ~crc):
+                same.append(self.comm.agree(value) == value)
+                if len(self.comm.events) != seen:
+                    break                   # a repair: start over
+            else:
+                return all(same)
 
     def _write_summary(self, summary: dict[str, Any]) -> None:
         """The lowest survivor writes summary.json after the final decision; if a rank dies meanwhile, again."""
