@@ -69,7 +69,9 @@ class Trainer:
         self.train = DatasetFile(train_path)
         shards = initial_holdings(self.train.count, comm.size)
         holdings = {w: shards[i] for i, w in enumerate(comm.alive)}
-        self.shard = LocalShard(self.train, holdings[comm.world_rank])
+        # A rank that takes a slot from the survivors reads its share once it has their partition (fit).
+        taking_over = getattr(comm, "takeover", None) is not None
+        self.shard = LocalShard(self.train, [] if taking_over else holdings[comm.world_rank])
         self.sampler = EpochSampler(holdings, cfg.batch, cfg.seed, cfg.data_policy)
         self.test: tuple[torch.Tensor, torch.Tensor] | None = None
         if test_path is not None:
@@ -130,10 +132,16 @@ class Trainer:
         self.opt.set_state(blob)
 
     def _set_sampler_state(self, state: dict[str, Any]) -> None:
-        # Only a fresh trainer takes a state (a resume, a reinit rebuild): its
-        # shards are this world's initial ones.  A state from another world
-        # hands the epoch's remaining records to their holders here.
+        # Only a fresh trainer takes a state.  One that takes a slot from the
+        # survivors (a spare, a newcomer) takes their partition as it is, and
+        # reads what it lacks of its slot's share.  One that rebuilds a world
+        # (a resume, a reinit) starts from this world's initial shards, and a
+        # state from another world hands the epoch's remaining records to
+        # their holders here.
         self.sampler.load_state(state)
+        if getattr(self.comm, "takeover", None) is not None:
+            self.shard.retarget(self.sampler.holdings[self.comm.world_rank])
+            return
         shards = initial_holdings(self.train.count, self.comm.size)
         here = {w: shards[i] for i, w in enumerate(self.comm.alive)}
         if self.sampler.holdings != here:

@@ -77,6 +77,16 @@ def test_more_failures_than_spares_falls_back_to_shrink(mpi, digits_dir, tmp_pat
 
 
 @pytest.mark.timeout(2 * BOUND_S)
+def test_two_deaths_at_once_with_one_spare(mpi, digits_dir, tmp_path):
+    """One repair both replaces and removes: the spare takes the lower slot and reads what the survivors'
+    data plan holds for it (the other dead slot's records included), not a fresh partition."""
+    end, logs = train(mpi, digits_dir, tmp_path, 1, "0@30:allreduce", "2@30:allreduce", slots=SLOTS - 1)
+    assert end["world_history"] == [SLOTS, SLOTS - 1]
+    (rec,) = select(logs[1], "recovery")
+    assert list(rec["replaced"]) == ["0"] and rec["removed"] == [2], rec
+
+
+@pytest.mark.timeout(2 * BOUND_S)
 def test_two_shrinks_after_the_spares_ran_out(mpi, digits_dir, tmp_path):
     """A slot removed by the first shrink is not reported dead again by the second."""
     _, logs = train(mpi, digits_dir, tmp_path, 1, "1@15", "2@30", "0@45", ended=[1])

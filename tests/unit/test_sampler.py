@@ -20,13 +20,14 @@ def run_epoch(s: EpochSampler, kills: dict[int, list[int]] | None = None, in_fli
     seen: Counter = Counter()
     step = 0
     while not s.epoch_done():
+        drawn: dict[int, np.ndarray] = {}
         if step in kills:
             dead = kills[step]
             if in_flight:       # the aborted attempt: every rank had drawn its batch, nothing commits
-                _ = {w: s.batch_ids(w) for w in s.queues}
+                drawn = {w: s.batch_ids(w) for w in s.queues}
             s.remove(dead, plan_recovery(s.holdings, dead).holdings)
-        for w in s.queues:
-            seen.update(s.batch_ids(w).tolist())
+        for w in s.queues:      # the redo reduces the survivors' gradients again: the batches they drew
+            seen.update(drawn.get(w, s.batch_ids(w)).tolist())
         s.commit()
         step += 1
         assert step < 10_000

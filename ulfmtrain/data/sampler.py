@@ -65,6 +65,9 @@ class EpochSampler:
         self.queues: dict[int, np.ndarray] = {}
         self.cursors: dict[int, int] = {}
         self.dropped: dict[int, int] = {}        # epoch -> records skipped (lossy)
+        # The batch sizes of the step in flight, fixed when its batches are drawn: a failure appends the dead
+        # rank's records to the survivors' queues, and their redo reduces the batches they drew before.
+        self.taken: dict[int, int] | None = None
 
     def start_epoch(self, epoch: int) -> None:
         """Each rank's queue: a permutation of its records seeded by (seed, epoch, its slot)."""
@@ -72,20 +75,25 @@ class EpochSampler:
         self.queues = {w: np.random.default_rng([self.seed, epoch, slot]).permutation(ids_of(self.holdings[w]))
                        for slot, w in enumerate(sorted(self.holdings))}
         self.cursors = {w: 0 for w in self.queues}
+        self.taken = None
 
     def batch_ids(self, rank: int) -> np.ndarray:
         """The ids of rank's next batch (short or empty near the end of its queue); nothing advances."""
+        if self.taken is None:
+            self.taken = self.batch_sizes()
         c = self.cursors[rank]
-        return self.queues[rank][c:c + self.batch]
+        return self.queues[rank][c:c + self.taken.get(rank, 0)]
 
     def batch_sizes(self) -> dict[int, int]:
         """Every alive rank's next batch size."""
         return {w: min(self.batch, len(q) - self.cursors[w]) for w, q in self.queues.items()}
 
     def commit(self) -> None:
-        """The step committed: every alive rank consumed its batch."""
-        for w, n in self.batch_sizes().items():
-            self.cursors[w] += n
+        """The step committed: every alive rank consumed the batch it drew (not what a failure added since)."""
+        sizes = self.batch_sizes() if self.taken is None else self.taken
+        for w in self.queues:
+            self.cursors[w] += sizes.get(w, 0)
+        self.taken = None
 
     def epoch_done(self) -> bool:
         """Every queue is consumed."""
@@ -134,12 +142,14 @@ class EpochSampler:
         self.holdings = {int(w): merge_ranges(r) for w, r in new_holdings.items()}
         self.queues = {w: rest[_held_by(rest, self.holdings[w])] for w in sorted(self.holdings)}
         self.cursors = {w: 0 for w in self.queues}
+        self.taken = None
 
     def state(self) -> dict[str, Any]:
         """Everything needed to continue identically (saved with the replica and in checkpoints)."""
         return {"epoch": self.epoch, "holdings": {w: list(r) for w, r in self.holdings.items()},
                 "queues": {w: q.copy() for w, q in self.queues.items()}, "cursors": dict(self.cursors),
-                "dropped": dict(self.dropped), "policy": self.policy, "batch": self.batch, "seed": self.seed}
+                "dropped": dict(self.dropped), "policy": self.policy, "batch": self.batch, "seed": self.seed,
+                "taken": None if self.taken is None else dict(self.taken)}   # a spare may join a redo
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Take a state made by state()."""
@@ -148,6 +158,8 @@ class EpochSampler:
         self.queues = {int(w): np.asarray(q, dtype=np.int64) for w, q in state["queues"].items()}
         self.cursors = {int(w): int(c) for w, c in state["cursors"].items()}
         self.dropped = {int(e): int(n) for e, n in state["dropped"].items()}
+        taken = state.get("taken")
+        self.taken = None if taken is None else {int(w): int(n) for w, n in taken.items()}
 
 
 def distributed_sampler(comm: Comm, opt: DistributedOptimizer, count: int, batch: int, *, seed: int = 0,
