@@ -25,6 +25,7 @@ SCRIPTS = {
     "convergence": "bench_convergence.py",
     "overhead": "bench_overhead.py",
     "gpu": "bench_gpu.py",          # says so and measures nothing where there is no GPU
+    "spawn_link": "bench_spawn_link.py",
 }
 # The smallest run of each benchmark that still exercises all of its code.
 QUICK_ARGS = {
@@ -34,6 +35,7 @@ QUICK_ARGS = {
     "overhead": ["--ranks", "2", "--max-bytes", "16KiB", "--rounds", "2", "--target-s", "0.005",
                  "--models", "cnn", "--steps", "3", "--step-rounds", "2"],
     "gpu": ["--ranks", "2", "--batch", "16", "--steps", "2", "--rounds", "2"],
+    "spawn_link": ["--sizes", "4096", "--reps", "5", "--rounds", "1"],
 }
 
 
@@ -58,6 +60,9 @@ def headline(results: Path, name: str) -> str:
                 + ", ".join(f"n={k} {v:.3f}" for k, v in h["ftsgd_overlap_over_ddp_gloo"].items())
                 + "; overlapped step / max(compute, allreduce): "
                 + ", ".join(f"n={k} {v:.3f}" for k, v in h["overlap_over_max_compute_allreduce"].items()))
+    if name == "spawn_link":
+        return (f"{h['bytes']} B allreduce with a spawned process / two ranks of one job: "
+                f"{h['spawned_over_same_job']:.2f} (over TCP as it is: {h['spawned_over_tcp']:.2f})")
     ratios = h["ft_over_mpi_throughput"]
     return ("FT/plain MPI allreduce throughput: " + "; ".join(
         f"{n}: " + ", ".join(f"{b} {r:.3f}" for b, r in rs.items()) for n, rs in ratios.items())

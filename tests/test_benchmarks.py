@@ -115,3 +115,11 @@ def test_bench_gpu_says_when_there_is_no_gpu_and_measures_the_cpu_path(tmp_path:
     assert run["survivors"] == [0] and run["consistent"] and run["audit_exact"]
     assert run["recovery"][0]["removed"] == [1]
     assert (tmp_path / data["plot"]).stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_spawn_link(tmp_path: Path) -> None:
+    data = run_quick("spawn_link", tmp_path, 110)
+    row = data["by_n"]["2"]["4096"]
+    assert set(row) == {"same_job_sm", "same_job_tcp", "spawned"} and all(v > 0 for v in row.values()), row
+    assert data["headline"]["spawned_over_same_job"] == row["spawned"] / row["same_job_sm"]
