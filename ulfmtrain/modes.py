@@ -101,6 +101,7 @@ class Phase(StrEnum):
     RECOVERY = "recovery"      # inside the next repair, after the shrink
     CHECKPOINT = "checkpoint"  # rank 0, half-way through writing the checkpoint of STEP
     FINAL = "final"            # before the final consistency check (any STEP)
+    JOIN = "join"              # in the first join of a respawned process at or after STEP, before the merge
 
 
 def choices(enum: type[StrEnum]) -> list[str]:

@@ -80,10 +80,11 @@ def spawn_command(job: TrainJob) -> list[str]:
     return [sys.executable, *flags, "-m", "ulfmtrain", *job.to_argv()]
 
 
-def _watchdog(what: str, fix: str = "use --recovery restart under `ulfmtrain supervise`") -> threading.Timer:
+def _watchdog(what: str, fix: str = "use --recovery restart under `ulfmtrain supervise`",
+              why: str = "MPI_Comm_spawn under ULFM can hang on Open MPI 5.0.x") -> threading.Timer:
     def hung() -> None:
-        print(f"ulfmtrain: error: {what} did not finish in {SPAWN_TIMEOUT_S:.0f} s (MPI_Comm_spawn under ULFM "
-              f"can hang on Open MPI 5.0.x): {fix}", file=sys.stderr, flush=True)
+        print(f"ulfmtrain: error: {what} did not finish in {SPAWN_TIMEOUT_S:.0f} s ({why}): {fix}",
+              file=sys.stderr, flush=True)
         os._exit(3)
 
     t = threading.Timer(SPAWN_TIMEOUT_S, hung)

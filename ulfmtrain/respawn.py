@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from . import _ftcoll, lifecycle
+from . import _ftcoll, faults, lifecycle
 from .comm import _fault_tolerant_dup, require_fault_tolerance
+from .modes import Phase
 from .reinit import _watchdog
 from .spares import WAIT_POLL_S, SpareComm
 
@@ -235,6 +236,11 @@ class RespawnComm(SpareComm):
         t0 = time.perf_counter()
         ok, world, info, held, pool = 1, None, {}, [], None
         times: dict[str, float] = {}
+        # Open MPI 5.0.x allocates a new communicator's context id with collectives that do not return when a
+        # member dies: a failure inside the join leaves the others there for good.  End the job with one line.
+        timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint (--ckpt-dir, "
+                          "under `ulfmtrain supervise`)", why="a process died while the join created communicators, "
+                          "and Open MPI 5.0.x does not return from that")
         try:
             # The leader's peer is its pool (the newcomer is rank 1 of it); elsewhere it is not read.
             peer = self.world
@@ -243,6 +249,7 @@ class RespawnComm(SpareComm):
                 peer = pool
                 pool.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the newcomer waits in Ibcast
             inter = self.world.Create_intercomm(0, peer, 1, TAG)
+            faults.point(self.step, Phase.JOIN)
             merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
             world = _fault_tolerant_dup(merged)
             merged.Free()
@@ -260,6 +267,7 @@ class RespawnComm(SpareComm):
             except MPI.Exception:
                 flag = 0
         if not (flag and status == _ftcoll.OK) or world is None:
+            timer.cancel()
             for c in (world, pool):
                 if c is not None:
                     _ftcoll.revoke(c)
@@ -268,6 +276,7 @@ class RespawnComm(SpareComm):
         size_before = self.size
         times = {k: info[k] for k in ("t_spawn", "spawn_s", "ready_s")}
         plan = self._take_world(world, held)
+        timer.cancel()
         self.world_history.append(self.size)
         self._spawn_wanted = True           # a spare may still be missing
         self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,
