@@ -140,6 +140,7 @@ class _CommBase:
         self._listeners: list[Listener] = []
         self._attempt = 0           # the attempt in flight (a spare's handover says which comes next)
         self._next_attempt = 0
+        self.receivers: set[int] = set()   # world ranks waiting for a hand-over: never the root of a redo
 
     @property
     def rank(self) -> int:
@@ -287,10 +288,13 @@ class FaultTolerantComm(_CommBase):
         """Broadcast bytes from rank `root` (the lowest survivor), as buffers (no pickle of a large payload).
 
         make() runs on the root of each attempt: after a repair the new lowest
-        survivor is the root and builds the payload again from its own state.
+        survivor that is not waiting for a hand-over is the root and builds the
+        payload again from its own state.
         """
         def attempt(n: int) -> bytes:
-            src = root if n == 0 else 0
+            src = root if n == 0 else next((i for i, w in enumerate(self.alive) if w not in self.receivers), -1)
+            if src < 0:
+                raise FaultPathError("every rank that held the state to hand over has died")
             size = np.zeros(1, dtype=np.int64)
             if self.rank == src:
                 data = np.frombuffer(bytearray(make()), dtype=np.uint8)

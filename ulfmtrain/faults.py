@@ -124,8 +124,8 @@ class FaultInjector:
         kill = self._mine.get((step, phase))
         if phase == "final":      # there is one final check, whatever its step
             kill = next((k for (_, p), k in self._mine.items() if p == "final"), None)
-        elif phase == "join":     # joins happen at step boundaries no schedule can know
-            kill = next((k for (s, p), k in self._mine.items() if p == "join" and step >= s), None)
+        elif phase in ("join", "handover"):    # they happen at steps no schedule can know
+            kill = next((k for (s, p), k in self._mine.items() if p == phase and step >= s), None)
         if kill is not None and kill.kills:
             self._die(kill)
         elif kill is not None and self._errors_left.get(step, 0) > 0:

@@ -102,6 +102,7 @@ class Phase(StrEnum):
     CHECKPOINT = "checkpoint"  # rank 0, half-way through writing the checkpoint of STEP
     FINAL = "final"            # before the final consistency check (any STEP)
     JOIN = "join"              # in the first join of a respawned process at or after STEP, before the merge
+    HANDOVER = "handover"      # the sender of the first hand-over to a spare or newcomer at or after STEP
 
 
 def choices(enum: type[StrEnum]) -> list[str]:

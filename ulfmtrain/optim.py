@@ -328,8 +328,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Survivors send (attempt: the number of the attempt that comes next, so a
         newcomer's audit lines line up); a newcomer calls it with receive=True.
         """
+        if not receive:
+            faults.point(self.step_count, Phase.HANDOVER)
         blob = self.comm.bcast_bytes(
             lambda: self.get_state(buffers=self._committed_buffers) + attempt.to_bytes(8, "little"), root=root)
+        getattr(self.comm, "receivers", set()).clear()      # every newcomer has the state now
         if receive:
             self.set_state(blob[:-8])
             self.comm.start_attempts_at(int.from_bytes(blob[-8:], "little"))

@@ -301,6 +301,7 @@ class RespawnComm(SpareComm):
             _ftcoll.agree(self.comm, 1)     # before first use: no peer is still creating it
         self.world_rank = self.slot if self.slot is not None else -1
         self.alive = sorted(survivors + list(taken))
+        self.receivers |= set(taken)
         self.spares_left = len(newcomers) - len(taken)
         return {"taken": taken, "spares": self.spares_left, "root": self.alive.index(min(survivors))}
 

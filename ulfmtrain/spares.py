@@ -108,6 +108,7 @@ class SpareComm(FaultTolerantComm):
             # The newcomers get the committed state: an aborted step is then redone with them; a step that
             # committed is handed over once its update is applied (DistributedOptimizer.step).
             root = self.alive.index(plan["root"])
+            self.receivers |= set(plan["replaced"])
             if committed and what == "step":
                 self.pending_handover = (root, 0)
             else:
@@ -128,6 +129,7 @@ class SpareComm(FaultTolerantComm):
                 plan = self._repair_world()   # a failure somewhere: maybe a slot for me
                 if self.slot is not None:
                     self.takeover = {"slot": self.slot, "root": self.alive.index(plan["root"])}
+                    self.receivers |= set(plan["replaced"])
         return True
 
     def release_spares(self) -> None:

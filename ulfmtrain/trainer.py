@@ -70,8 +70,8 @@ class Trainer:
         shards = initial_holdings(self.train.count, comm.size)
         holdings = {w: shards[i] for i, w in enumerate(comm.alive)}
         # A rank that takes a slot from the survivors reads its share once it has their partition (fit).
-        taking_over = getattr(comm, "takeover", None) is not None
-        self.shard = LocalShard(self.train, [] if taking_over else holdings[comm.world_rank])
+        self._awaiting_state = getattr(comm, "takeover", None) is not None
+        self.shard = LocalShard(self.train, [] if self._awaiting_state else holdings[comm.world_rank])
         self.sampler = EpochSampler(holdings, cfg.batch, cfg.seed, cfg.data_policy)
         self.test: tuple[torch.Tensor, torch.Tensor] | None = None
         if test_path is not None:
@@ -139,7 +139,8 @@ class Trainer:
         # state from another world hands the epoch's remaining records to
         # their holders here.
         self.sampler.load_state(state)
-        if getattr(self.comm, "takeover", None) is not None:
+        if self._awaiting_state:
+            self._awaiting_state = False
             self.shard.retarget(self.sampler.holdings[self.comm.world_rank])
             return
         shards = initial_holdings(self.train.count, self.comm.size)
@@ -180,7 +181,8 @@ class Trainer:
 
     def _replan(self, event: Any) -> None:
         """After a repair: plan who reads which lost records, read my share, hand out the dead ranks' queues."""
-        if not event.removed:
+        # A rank still waiting for the survivors' state (a failure inside its hand-over) gets it re-planned.
+        if not event.removed or self._awaiting_state:
             return
         t0 = time.perf_counter()
         me = self.comm.world_rank
