@@ -1,8 +1,12 @@
 """How many failures does one job survive, and what do they cost, with spares and respawn refilling the world?
 
 One digits job, `launch -n N --spares K -- train --replace respawn --audit`,
-twice: without failures (the reference), then with seeded SIGKILLs from
-outside (as a crashing node would) of a random training rank, one every
+without failures (the reference) before and after the soak (the machine's own
+pace drifts), once more with every link on TCP (as when every rank is a
+respawned process: a spawned job does not share Open MPI's shared-memory
+transport), once more beside the start-up of a newcomer (its imports) at each
+would-be failure, and in between with seeded SIGKILLs from outside (as a crashing
+node would) of a random training rank, one every
 INTERVAL seconds on average (uniform in [0.5, 1.5] x INTERVAL), until FAILURES
 ranks have been killed.  A kill is only sent while at least two training ranks
 are alive, so a survivor is always left.  It reports failures survived, steps
@@ -58,6 +62,9 @@ def _training_pids(out: Path) -> dict[int, int]:
     return {s: p for s, p in pids.items() if _alive(p)}
 
 
+RECOVERY_PARTS = ("detect_ms", "commit_agree_ms", "revoke_ms", "shrink_ms", "agree_ms", "reload_ms", "redo_ms")
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -66,8 +73,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failures: int) -> dict[str, Any]:
-    """One job; with failures > 0, SIGKILL that many training ranks at the mean interval. Returns the kills."""
+STARTUP = [sys.executable, "-P", "-c", "import ulfmtrain.respawn, ulfmtrain.trainer, torch._dynamo"]
+
+
+def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failures: int,
+            startups: bool = False) -> dict[str, Any]:
+    """One job; with failures > 0, SIGKILL that many training ranks at the mean interval. Returns the kills.
+
+    With startups (and no failures), start what a respawned process imports at the same times instead, beside
+    the job: the CPU that a newcomer's start-up takes from training, without the failures.
+    """
     cmd = common.train_command(args.ranks + args.spares, train_argv(args, data, out, epochs), args)
     rng = np.random.default_rng(args.seed)
     log = out.parent / f"{out.name}.console.log"
@@ -76,11 +91,15 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
     with open(log, "wb") as console:
         proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
         # Kills start once every slot trains (start-up is not what this measures).
-        while failures and proc.poll() is None and len(_training_pids(out)) < args.ranks:
+        while (failures or startups) and proc.poll() is None and len(_training_pids(out)) < args.ranks:
             time.sleep(0.1)
         next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
         while proc.poll() is None and time.monotonic() - t0 < args.timeout:
             time.sleep(0.05)
+            if startups and time.monotonic() >= next_at:
+                subprocess.Popen(STARTUP, stdout=subprocess.DEVNULL)
+                kills.append({"t": time.time(), "startup": True})
+                next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
             if len(kills) >= failures or time.monotonic() < next_at:
                 continue
             pids = _training_pids(out)
@@ -127,6 +146,10 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]]) -> dict[str, Any
     joins = {(r["step"], r["t_spawn"]) for r in respawns if r["status"] == "joined"}
     failed = {(r["step"], r["reason"]) for r in respawns if r["status"] == "failed"}
     recs = select(logs, "recovery")
+    # Per recovery, its slowest survivor: detection, repair, reload and redo (the hand-over is logged apart).
+    per_step: dict[int, float] = defaultdict(float)
+    for r in recs:
+        per_step[r["step"]] = max(per_step[r["step"]], sum(r.get(k, 0.0) for k in RECOVERY_PARTS))
     train_s = max(e["t"] for e in ends) - min(s["t"] for s in starts)
     res.update(
         steps=max(e["steps"] for e in ends), train_s=train_s,
@@ -138,7 +161,7 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]]) -> dict[str, Any
         epochs_audited=len(rows), restored_before_next=sum(restored), restore_s=common.summarize(restore_s),
         spare_takeovers=len({(r["step"], r["size_before"]) for r in recs if r.get("replaced")}),
         shrinks=len({(r["step"], r["size_after"]) for r in recs if r["removed"]}),
-        respawn_joins=len(joins), respawn_failed=len(failed),
+        respawn_joins=len(joins), respawn_failed=len(failed), recovery_ms=common.summarize(list(per_step.values())),
         progress=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
     return res
 
@@ -187,25 +210,41 @@ def main(argv: list[str]) -> int:
         digits_to_dataset(data)
     t0 = time.perf_counter()
     ref_epochs = args.reference_epochs or args.epochs or 100
-    print(f"failure-free reference: {args.ranks} ranks + {args.spares} spares, {ref_epochs} epochs", flush=True)
-    free_run = run_job(args, data, work / "free", ref_epochs, 0)
-    free = measure(work / "free", args.ranks, [])
-    if not free.get("ended"):
-        print(f"the failure-free run did not end: see {free_run['console']}", file=sys.stderr)
+    tcp = argparse.Namespace(**{**vars(args), "mpirun_arg": [*args.mpirun_arg, "--mca", "btl", "tcp,self"]})
+    refs: dict[str, dict[str, Any]] = {}
+
+    def reference(name: str, a: argparse.Namespace, startups: bool = False) -> bool:
+        print(f"failure-free reference ({name}): {args.ranks} ranks + {args.spares} spares, {ref_epochs} epochs",
+              flush=True)
+        run = run_job(a, data, work / name, ref_epochs, 0, startups)
+        refs[name] = measure(work / name, args.ranks, [])
+        if not refs[name].get("ended"):
+            print(f"the failure-free run did not end: see {run['console']}", file=sys.stderr)
+        return bool(refs[name].get("ended"))
+
+    if not (reference("free", args) and reference("free_tcp", tcp) and reference("free_startups", args, True)):
         return 1
+    free = refs["free"]
     # Long enough for every kill at the reference's pace, with room for the recoveries.
     epochs = args.epochs or max(2, math.ceil(args.failures * args.interval * 1.2 / (free["train_s"] / ref_epochs)))
     print(f"soak: {epochs} epochs, {args.failures} SIGKILLs, one every {args.interval:g} s on average", flush=True)
     soak_run = run_job(args, data, work / "soak", epochs, args.failures)
     kills = soak_run["kills"]
     soak = measure(work / "soak", args.ranks, kills)
+    reference("free_after", args)
     ok = free.get("ended") and soak.get("ended")
     headline: dict[str, Any] = {"failures_delivered": len(kills), "job_ended": bool(soak.get("ended"))}
     if ok:
+        # Goodput: the soak's training time against the reference's for the same epochs.
+        per_epoch = {k: r["train_s"] / ref_epochs for k, r in refs.items() if r.get("ended")}
+        if "free_after" in per_epoch:
+            per_epoch["free_mean"] = (per_epoch["free"] + per_epoch["free_after"]) / 2
+        goodput = {k: v * epochs / soak["train_s"] for k, v in per_epoch.items()}
         headline.update(
             failures_survived=len(kills) if soak["consistent"] else 0,
-            steps_committed=soak["steps"], goodput_ratio=free["train_s"] * epochs / ref_epochs / soak["train_s"],
+            steps_committed=soak["steps"], goodput_ratio=goodput["free"], goodput_against=goodput,
             lost_s_per_failure=(soak["train_s"] - free["train_s"] * epochs / ref_epochs) / max(1, len(kills)),
+            recovery_ms_per_failure=soak["recovery_ms"],
             replicas_identical=soak["consistent"] and soak["replicas_identical_after_every_recovery"],
             audit_exact=soak["audit_exact"],
             checksum_equals_failure_free=soak["checksum"] == free["checksum"] if ref_epochs == epochs else None,
@@ -216,15 +255,17 @@ def main(argv: list[str]) -> int:
     png = args.results / f"{NAME}.png"
     args.results.mkdir(parents=True, exist_ok=True)
     plot(free, soak, kills, png)
-    for r in (free, soak):
+    for r in (*refs.values(), soak):
         r.pop("progress", None)
     path = common.write_result(args.results, NAME, {
         "question": __doc__.split("\n\n")[0],
         "params": {"failures": args.failures, "interval_s": args.interval, "ranks": args.ranks,
                    "spares": args.spares, "model": args.model, "seed": args.seed, "epochs": epochs,
                    "reference_epochs": ref_epochs},
-        "command": common.portable(cmd_of(args, epochs)), "reference_rc": free_run["rc"],
-        "headline": headline, "failure_free": free, "soak": soak, "kills": kills, "plot": png.name,
+        "command": common.portable(cmd_of(args, epochs)),
+        "headline": headline, "failure_free": free, "failure_free_tcp": refs["free_tcp"],
+        "failure_free_after": refs.get("free_after"), "failure_free_startups": refs["free_startups"],
+        "soak": soak, "kills": kills, "plot": png.name,
         "bench_wall_s": time.perf_counter() - t0})
     common.finish(args, work, path, png)
     return 0 if ok else 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _ftcoll, faults, lifecycle, tether
+from .modes import Phase
 
 T = TypeVar("T")
 FaultPathError = _ftcoll.FaultPathError
@@ -214,9 +216,21 @@ class FaultTolerantComm(_CommBase):
             # Bit 0: my attempt completed; the bits above carry a subclass's own uniform decision for free.
             value, agreed = _ftcoll.agree(self.comm, (1 if status == _ftcoll.OK else 0) | (self._commit_bits() << 1))
             flag, self.agreed_bits = value & 1, value >> 1
+            if what == "step" and agreed == _ftcoll.OK:
+                try:
+                    faults.point(self.step, Phase.DISAGREE)
+                except faults.InjectedError:
+                    agreed = _ftcoll.ERROR
             agree_ms = (MPI.Wtime() - t_error) * 1e3
             if flag and commit is not None:
                 commit(result)              # type: ignore[arg-type]
+            if agreed == _ftcoll.ERROR and flag:
+                # The agreed value is uniform, the return code is not: every rank committed, and the others,
+                # told OK, are already in the next step.  A repair here alone would wait for them for good.
+                print(f"ulfmtrain: warning: {what} {self.step}: the commit agree returned an MPI error on world "
+                      f"rank {self.world_rank} alone; the step committed everywhere, training goes on",
+                      file=sys.stderr, flush=True)
+                agreed = _ftcoll.OK
             if agreed == _ftcoll.OK and flag:
                 if n and self.events:
                     self.events[-1].redo_ms = (t_error - t0) * 1e3

@@ -44,7 +44,7 @@ class Kill:
 
     @property
     def kills(self) -> bool:
-        return self.phase != Phase.ERROR
+        return self.phase not in (Phase.ERROR, Phase.DISAGREE)
 
     def __str__(self) -> str:
         tail = {Phase.BACKWARD: f"={self.fraction:g}", Phase.ERROR: f"={self.count}"}.get(Phase(self.phase), "")

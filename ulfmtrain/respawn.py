@@ -234,13 +234,8 @@ class RespawnComm(SpareComm):
     def _join(self, s: _Spawn | None) -> None:
         """Every training rank (s: the batch on its owner, None elsewhere): one ready newcomer joins the world."""
         t0 = time.perf_counter()
-        ok, world, info, held, pool = 1, None, {}, [], None
+        ok, inter, world, info, held, pool = 1, None, None, {}, [], None
         times: dict[str, float] = {}
-        # Open MPI 5.0.x allocates a new communicator's context id with collectives that do not return when a
-        # member dies: a failure inside the join leaves the others there for good.  End the job with one line.
-        timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint (--ckpt-dir, "
-                          "under `ulfmtrain supervise`)", why="a process died while the join created communicators, "
-                          "and Open MPI 5.0.x does not return from that")
         try:
             # The leader's peer is its pool (the newcomer is rank 1 of it); elsewhere it is not read.
             peer = self.world
@@ -248,16 +243,29 @@ class RespawnComm(SpareComm):
                 pool, times = s.pop()
                 peer = pool
                 pool.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the newcomer waits in Ibcast
-            inter = self.world.Create_intercomm(0, peer, 1, TAG)
-            faults.point(self.step, Phase.JOIN)
-            merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
-            world = _fault_tolerant_dup(merged)
-            merged.Free()
-            inter.Free()
+            inter = self.world.Create_intercomm(0, peer, 1, TAG)    # returns an error when a member dies
         except MPI.Exception:
             ok = 0
-        # Uniform among the survivors (the old world is whole: this step's commit agree just said so).
+        faults.point(self.step, Phase.JOIN)
+        # Open MPI 5.0.x's MPI_Intercomm_merge never returns when a member is dead (its context-id allocation
+        # loops), and revoking does not free it: merge only when every survivor holds the intercommunicator and
+        # is alive (uniform), and bound the merge itself, which leaves a window of about 16 ms.
         flag, status = _ftcoll.agree(self.world, ok)
+        if flag and status == _ftcoll.OK and inter is not None:
+            timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint "
+                              "(--ckpt-dir, under `ulfmtrain supervise`)", why="a process died inside "
+                              "MPI_Intercomm_merge, and Open MPI 5.0.x does not return from that")
+            try:
+                merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
+                inter.Free()
+                inter = None
+                world = _fault_tolerant_dup(merged)
+                merged.Free()
+            except MPI.Exception:
+                ok = 0
+            timer.cancel()
+            # Uniform among the survivors again before the new world is used.
+            flag, status = _ftcoll.agree(self.world, ok)
         if flag and status == _ftcoll.OK and world is not None:
             try:
                 info = world.bcast({"slots": self.slots, "history": self.world_history, **times} if s
@@ -267,16 +275,14 @@ class RespawnComm(SpareComm):
             except MPI.Exception:
                 flag = 0
         if not (flag and status == _ftcoll.OK) or world is None:
-            timer.cancel()
-            for c in (world, pool):
+            for c in (world, inter, pool):
                 if c is not None:
-                    _ftcoll.revoke(c)
+                    _ftcoll.revoke(c)     # a newcomer waiting on them leaves
             self._notify("failed", [], reason="a process failed during the join")
             return
         size_before = self.size
         times = {k: info[k] for k in ("t_spawn", "spawn_s", "ready_s")}
         plan = self._take_world(world, held)
-        timer.cancel()
         self.world_history.append(self.size)
         self._spawn_wanted = True           # a spare may still be missing
         self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,

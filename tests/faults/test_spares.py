@@ -69,6 +69,18 @@ def test_every_slot_replaced_in_turn_ends_bit_identical(mpi, digits_dir, tmp_pat
 
 
 @pytest.mark.timeout(2 * BOUND_S)
+def test_a_commit_agree_that_fails_on_one_rank_alone(mpi, digits_dir, tmp_path, failure_free):
+    """Slot 1's commit agree returns an MPI error there alone, with the agreed value 1: every rank committed and
+    its peers are in the next step's reduction.  Before the fix slot 1 repaired alone and everyone waited for
+    good; now it says so and trains on."""
+    end, logs = train(mpi, digits_dir, tmp_path, 1, "1@30:disagree")
+    assert select(logs[1], "injected_error"), "the schedule did not fire"
+    assert end["world_history"] == [SLOTS] and not select(logs[0], "recovery")
+    assert all(row.exact and row.finished for row in audit_logs(logs))
+    assert end["checksum"] == failure_free["checksum"]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
 def test_more_failures_than_spares_falls_back_to_shrink(mpi, digits_dir, tmp_path):
     end, logs = train(mpi, digits_dir, tmp_path, 1, "1@15", "2@40", slots=SLOTS - 1)
     assert end["world_history"] == [SLOTS, SLOTS, SLOTS - 1]
