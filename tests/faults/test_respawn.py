@@ -74,16 +74,18 @@ def test_the_spawning_rank_dies_and_another_survivor_respawns(mpi, digits_dir, t
 
 
 @pytest.mark.timeout(2 * BOUND_S)
-def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, digits_dir, tmp_path):
-    """Slot 2 dies after the join's intercommunicator, before the merge: the survivors decide together not to
-    merge, say so, train on shrunk, and a later spawn refills the world."""
+@pytest.mark.parametrize("victim", [2, 0])
+def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, digits_dir, tmp_path, victim):
+    """A slot dies after the join's intercommunicator, before the merge (slot 0: the spawning rank, which leads
+    the join): the survivors decide together not to merge, say so, train on shrunk, and a later spawn refills
+    the world."""
     # 60 epochs: room for the second spawn, of two processes, to join before the end.
-    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 60, "1@30", "2@30:join")
-    (kill,) = select(logs[2], "kill")
+    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 60, "1@30", f"{victim}@30:join")
+    (kill,) = select(logs[victim], "kill")
     assert kill["phase"] == "join"
-    failed = respawns(logs, 0, "failed")
+    failed = respawns(logs, 3, "failed")
     assert failed and failed[0]["reason"] == "a process failed during the join", failed
     assert end["world_history"][:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
     assert all(row.exact and row.finished for row in audit_logs(logs))
     # Nothing was lost: the survivors train on through the failed join and a later spawn joins.
-    assert sorted(s for r in respawns(logs, 0, "joined") for s in r["slots"]) == [1, 2]
+    assert sorted(s for r in respawns(logs, 3, "joined") for s in r["slots"]) == sorted({1, victim})
