@@ -4,14 +4,14 @@ One digits job, `launch -n N --spares K -- train --replace respawn --audit`,
 without failures (the reference) before and after the soak (the machine's own
 pace drifts), once more with every link on TCP (as when every rank is a
 respawned process: a spawned job does not share Open MPI's shared-memory
-transport), once more beside the start-up of a newcomer (its imports) at each
-would-be failure, and in between with seeded SIGKILLs from outside (as a crashing
+transport), and in between with seeded SIGKILLs from outside (as a crashing
 node would) of a random training rank, one every
 INTERVAL seconds on average (uniform in [0.5, 1.5] x INTERVAL), until FAILURES
 ranks have been killed.  A kill is only sent while at least two training ranks
 are alive, so a survivor is always left.  It reports failures survived, steps
 committed, goodput against the reference (the same records trained on, so the
-ratio of the two training times), time lost per failure, whether the replicas
+ratio of the two training times), time lost per failure and where it went
+(lost_parts), whether the replicas
 stayed identical (the checksum every rank logs after each recovery, and at the
 end) and the audit exact, and whether the world size was back to N before the
 next failure.
@@ -46,8 +46,6 @@ from ulfmtrain.events import read_rank_logs, select  # noqa: E402
 from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "soak"
-# What a respawned process imports before it says it is ready (respawn.PRELOAD and what they pull in).
-STARTUP = [sys.executable, "-P", "-c", "import ulfmtrain.respawn, ulfmtrain.trainer, torch._dynamo"]
 
 
 def train_argv(args: argparse.Namespace, data: Path, out: Path, epochs: int) -> list[str]:
@@ -55,14 +53,33 @@ def train_argv(args: argparse.Namespace, data: Path, out: Path, epochs: int) -> 
             "--replace", "respawn", "--spares", str(args.spares), "--audit", "--no-progress", "--seed", str(args.seed)]
 
 
-def _training_pids(out: Path) -> dict[int, int]:
-    """slot -> pid of the process that trains it now (its latest start line), for slots that have not ended."""
-    pids = {}
-    for slot, recs in read_rank_logs(out).items():
-        starts = [r for r in recs if r["event"] == "start"]
-        if starts and not any(r["event"] == "end" and r["t"] > starts[-1]["t"] for r in recs):
-            pids[slot] = starts[-1]["pid"]
-    return {s: p for s, p in pids.items() if _alive(p)}
+class TrainingPids:
+    """slot -> pid of the process that trains it now (its latest start line), for slots that have not ended.
+
+    Reads only what the rank logs gained since the last call, and parses only their start and end lines: the
+    logs grow by two lines per rank and step, and parsing them whole before each kill took seconds of CPU from
+    the ranks (6 s at the end of a 30-failure soak), which the first soak figures counted as lost goodput.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.read: dict[Path, int] = {}                 # bytes consumed, up to the last whole line
+        self.latest: dict[int, tuple[int, bool]] = {}   # slot -> (pid of its latest start, ended since)
+
+    def __call__(self) -> dict[int, int]:
+        for path in sorted(self.out.glob("rank*.jsonl")):
+            with open(path, "rb") as f:
+                f.seek(self.read.get(path, 0))
+                chunk = f.read()
+            whole = chunk[: chunk.rfind(b"\n") + 1]    # a line without its newline is still being written
+            self.read[path] = self.read.get(path, 0) + len(whole)
+            slot = int(path.stem[4:])
+            for line in whole.splitlines():
+                if line.startswith(b'{"event": "start"'):
+                    self.latest[slot] = (json.loads(line)["pid"], False)
+                elif line.startswith(b'{"event": "end"') and slot in self.latest:
+                    self.latest[slot] = (self.latest[slot][0], True)
+        return {s: pid for s, (pid, ended) in self.latest.items() if not ended and _alive(pid)}
 
 
 def _alive(pid: int) -> bool:
@@ -73,35 +90,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failures: int,
-            startups: bool = False) -> dict[str, Any]:
-    """One job; with failures > 0, SIGKILL that many training ranks at the mean interval. Returns the kills.
-
-    With startups (and no failures), start what a respawned process imports at the same times instead, beside
-    the job: the CPU that a newcomer's start-up takes from training, without the failures.
-    """
+def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failures: int) -> dict[str, Any]:
+    """One job; with failures > 0, SIGKILL that many training ranks at the mean interval. Returns the kills."""
     cmd = common.train_command(args.ranks + args.spares, train_argv(args, data, out, epochs), args)
     rng = np.random.default_rng(args.seed)
     log = out.parent / f"{out.name}.console.log"
     kills: list[dict[str, Any]] = []
-    started: list[subprocess.Popen] = []
     t0 = time.monotonic()
     with open(log, "wb") as console:
         proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        training_pids = TrainingPids(out)
         # Kills start once every slot trains (start-up is not what this measures).
-        while (failures or startups) and proc.poll() is None and len(_training_pids(out)) < args.ranks:
+        while failures and proc.poll() is None and len(training_pids()) < args.ranks:
             time.sleep(0.1)
         next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
         while proc.poll() is None and time.monotonic() - t0 < args.timeout:
             time.sleep(0.05)
             if time.monotonic() < next_at:
                 continue
-            if startups:
-                started.append(subprocess.Popen(STARTUP, stdout=subprocess.DEVNULL))
-                next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
             if len(kills) >= failures:
                 continue
-            pids = _training_pids(out)
+            pids = training_pids()
             if len(pids) >= 2:
                 slot = int(rng.choice(sorted(pids)))
                 try:
@@ -113,9 +122,7 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
             next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
         if proc.poll() is None:
             common._stop(proc)
-    for p in started:
-        p.wait()
-    return {"kills": kills, "startups": len(started), "launch_wall_s": time.monotonic() - t0, "console": str(log),
+    return {"kills": kills, "launch_wall_s": time.monotonic() - t0, "console": str(log),
             "rc": proc.returncode}
 
 
@@ -165,7 +172,34 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]]) -> dict[str, Any
         shrinks=len({(r["step"], r["size_after"]) for r in recs if r["removed"]}),
         respawn_joins=len(joins), respawn_failed=len(failed), recovery_ms=common.summarize(list(per_step.values())),
         progress=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
+    if kills:
+        res["logs"] = logs          # for lost_parts, dropped before writing
     return res
+
+
+def lost_parts(logs: dict[int, list[dict]], kills: list[dict[str, Any]], ref_step_s: float) -> dict[str, float]:
+    """Where the time above the reference's pace went, in seconds per failure: each step's time past the
+    reference's mean step, summed by what the job was doing.  From a kill to the start of the spawn that
+    refills it: detection, repair, hand-over to the spare.  From a spawn's start to its join: a newcomer
+    starting (on one machine its imports take CPU from the training ranks).  The rest: training between
+    failures, on a world whose newcomers talk to the others over TCP."""
+    first: dict[int, float] = {}
+    for r in select(logs, "step"):
+        first[r["step"]] = min(first.get(r["step"], math.inf), r["t"])
+    t = np.array(sorted(first.values()))
+    excess, at = np.diff(t) - ref_step_s, t[1:]
+    respawns = select(logs, "respawn")
+    spawns = sorted({r["t_spawn"] for r in respawns if r["status"] == "spawning"})
+    joined = {r["t_spawn"]: r["t"] for r in sorted(respawns, key=lambda r: -r["t"]) if r["status"] == "joined"}
+    part = np.full(at.size, 2)                        # 0: kill to spawn, 1: spawn to join, 2: the rest
+    for ts in spawns:
+        part[(at > ts) & (at <= joined.get(ts, ts))] = 1
+    for k in kills:
+        nxt = next((ts for ts in spawns if ts > k["t"]), k["t"])
+        part[(at > k["t"]) & (at <= nxt) & (part == 2)] = 0
+    n = max(1, len(kills))
+    return {name: float(excess[part == i].sum()) / n
+            for i, name in enumerate(("kill_to_spawn", "newcomer_start_up", "between_failures"))}
 
 
 def plot(free: dict, soak: dict, kills: list[dict], path: Path) -> None:
@@ -215,16 +249,16 @@ def main(argv: list[str]) -> int:
     tcp = argparse.Namespace(**{**vars(args), "mpirun_arg": [*args.mpirun_arg, "--mca", "btl", "tcp,self"]})
     refs: dict[str, dict[str, Any]] = {}
 
-    def reference(name: str, a: argparse.Namespace, startups: bool = False) -> bool:
+    def reference(name: str, a: argparse.Namespace) -> bool:
         print(f"failure-free reference ({name}): {args.ranks} ranks + {args.spares} spares, {ref_epochs} epochs",
               flush=True)
-        run = run_job(a, data, work / name, ref_epochs, 0, startups)
+        run = run_job(a, data, work / name, ref_epochs, 0)
         refs[name] = measure(work / name, args.ranks, [])
         if not refs[name].get("ended"):
             print(f"the failure-free run did not end: see {run['console']}", file=sys.stderr)
         return bool(refs[name].get("ended"))
 
-    if not (reference("free", args) and reference("free_tcp", tcp) and reference("free_startups", args, True)):
+    if not (reference("free", args) and reference("free_tcp", tcp)):
         return 1
     free = refs["free"]
     # Long enough for every kill at the reference's pace, with room for the recoveries.
@@ -246,6 +280,7 @@ def main(argv: list[str]) -> int:
             failures_survived=len(kills) if soak["consistent"] else 0,
             steps_committed=soak["steps"], goodput_ratio=goodput["free"], goodput_against=goodput,
             lost_s_per_failure=(soak["train_s"] - free["train_s"] * epochs / ref_epochs) / max(1, len(kills)),
+            lost_s_per_failure_by_part=lost_parts(soak.pop("logs"), kills, free["train_s"] / free["steps"]),
             recovery_ms_per_failure=soak["recovery_ms"],
             replicas_identical=soak["consistent"] and soak["replicas_identical_after_every_recovery"],
             audit_exact=soak["audit_exact"],
@@ -266,7 +301,7 @@ def main(argv: list[str]) -> int:
                    "reference_epochs": ref_epochs},
         "command": common.portable(cmd_of(args, epochs)),
         "headline": headline, "failure_free": free, "failure_free_tcp": refs["free_tcp"],
-        "failure_free_after": refs.get("free_after"), "failure_free_startups": refs["free_startups"],
+        "failure_free_after": refs.get("free_after"),
         "soak": soak, "kills": kills, "plot": png.name,
         "bench_wall_s": time.perf_counter() - t0})
     common.finish(args, work, path, png)

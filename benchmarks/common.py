@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -142,9 +143,9 @@ def log_tail(log: Path, lines: int = 15) -> str:
 
 
 def portable(cmd: Sequence[str], roots: Sequence[tuple[Path, str]] = ()) -> str:
-    """Render a command without this machine's paths: interpreter, mpirun, repository and the given roots."""
+    """Render a command without this machine's paths: interpreter, mpirun, repository, temp dir, given roots."""
     subs = [(Path(sys.executable), "python"), (Path(sys.executable).parent / "mpirun", "mpirun"),
-            *roots, (REPO, ".")]
+            *roots, (REPO, "."), (Path(tempfile.gettempdir()), "TMPDIR")]
     out = []
     for word in map(str, cmd):
         for path, name in subs:

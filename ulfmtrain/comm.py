@@ -77,7 +77,7 @@ class RecoveryEvent:
 
     step: int                   # the caller's step counter when the failure was met
     what: str                   # the transaction that met it ("step", "bcast", "agree", ...)
-    committed: bool             # True: the attempt committed (a rank died in the commit agree)
+    committed: bool             # True: the value agreed when the failure was met was kept (agree())
     wall_error: float           # time.time() when this rank learned of the failure
     detect_ms: float            # from the start of the failed attempt to its error (0: it completed here)
     commit_agree_ms: float      # the commit agree that returned the failure
@@ -177,6 +177,7 @@ class FaultTolerantComm(_CommBase):
     """A communicator that survives process failures: every collective commits uniformly or is redone."""
 
     agreed_bits = 0     # the AND of _commit_bits() over the survivors in the last commit agree
+    _failure_seen = False   # the last commit agree committed and met a process failure: repair at the next one
 
     def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool = True) -> None:
         if check:
@@ -200,6 +201,11 @@ class FaultTolerantComm(_CommBase):
             self._attempt = n
             t0 = MPI.Wtime()
             status, result, t_error = _ftcoll.OK, None, None
+            seen, self._failure_seen = self._failure_seen, False
+            if seen:
+                # The last commit agree met a process failure here, maybe here alone: the peers told OK are in
+                # this transaction already.  Revoke, so that every survivor fails it and all repair together.
+                _ftcoll.revoke(self.comm)
             try:
                 result = attempt(n)
             except AttemptFailed as exc:
@@ -211,25 +217,31 @@ class FaultTolerantComm(_CommBase):
                 _ftcoll.revoke(self.comm)
                 status = _ftcoll.ERROR
             t_error = t_error or MPI.Wtime()
+            if seen:
+                status = _ftcoll.FAILED
             if before_agree is not None:
                 before_agree()
             # Bit 0: my attempt completed; the bits above carry a subclass's own uniform decision for free.
             value, agreed = _ftcoll.agree(self.comm, (1 if status == _ftcoll.OK else 0) | (self._commit_bits() << 1))
             flag, self.agreed_bits = value & 1, value >> 1
-            if what == "step" and agreed == _ftcoll.OK:
+            if what == "step":
                 try:
                     faults.point(self.step, Phase.DISAGREE)
-                except faults.InjectedError:
-                    agreed = _ftcoll.ERROR
+                except faults.InjectedError:    # this rank alone: an error where its peers succeeded, or not
+                    agreed = _ftcoll.OK if agreed == _ftcoll.FAILED else _ftcoll.ERROR   # the failure they met
             agree_ms = (MPI.Wtime() - t_error) * 1e3
             if flag and commit is not None:
                 commit(result)              # type: ignore[arg-type]
-            if agreed == _ftcoll.ERROR and flag:
-                # The agreed value is uniform, the return code is not: every rank committed, and the others,
-                # told OK, are already in the next step.  A repair here alone would wait for them for good.
-                print(f"ulfmtrain: warning: {what} {self.step}: the commit agree returned an MPI error on world "
-                      f"rank {self.world_rank} alone; the step committed everywhere, training goes on",
-                      file=sys.stderr, flush=True)
+            if agreed != _ftcoll.OK and flag:
+                # The agreed value is uniform, the return code is not: every rank committed, and peers told OK
+                # are already in the next transaction.  A repair here alone would wait for them for good: a
+                # process failure is repaired at the start of the next transaction, by everyone.
+                if agreed == _ftcoll.FAILED:
+                    self._failure_seen = True
+                else:
+                    print(f"ulfmtrain: warning: {what} {self.step}: the commit agree returned an MPI error on "
+                          f"world rank {self.world_rank}; the step committed everywhere, training goes on",
+                          file=sys.stderr, flush=True)
                 agreed = _ftcoll.OK
             if agreed == _ftcoll.OK and flag:
                 if n and self.events:
@@ -246,11 +258,9 @@ class FaultTolerantComm(_CommBase):
                                          f"in a row (no rank died; world rank {self.world_rank}'s last {mine})")
             else:
                 errors = 0
-            self._repair(what, bool(flag), t0 if status != _ftcoll.OK else t_error, t_error, agree_ms)
+            self._repair(what, False, t0 if status != _ftcoll.OK else t_error, t_error, agree_ms)
             if errors:
                 self.events[-1].extra["cause"] = "an MPI error with no rank dead"
-            if flag:
-                return result               # type: ignore[return-value]
             n += 1
 
     def _commit_bits(self) -> int:
@@ -293,7 +303,11 @@ class FaultTolerantComm(_CommBase):
     def agree(self, flag: int) -> int:
         """Return the bitwise AND of flag over the survivors, uniformly; repair if a rank died."""
         value, status = _ftcoll.agree(self.comm, flag)
-        if status == _ftcoll.FAILED:
+        # The value is uniform, the return code is not: a second agree tells every survivor whether any met a
+        # process failure (here, or in the last commit agree), so that all of them repair or none does.
+        clean, status = _ftcoll.agree(self.comm, 0 if status == _ftcoll.FAILED or self._failure_seen else 1)
+        self._failure_seen = bool(clean) and status == _ftcoll.FAILED
+        if not clean:
             t = MPI.Wtime()
             self._repair("agree", True, t, t, 0.0)
         return value

@@ -97,7 +97,7 @@ class Phase(StrEnum):
     ALLREDUCE = "allreduce"    # between two buckets of the reduction (after the sample count, with one bucket)
     ERROR = "error"            # no kill: there, the reduction meets an MPI error with no rank dead (=COUNT attempts)
     COMMIT = "commit"          # right before the commit agree
-    DISAGREE = "disagree"      # no kill: this rank's commit agree of STEP returns an MPI error here alone
+    DISAGREE = "disagree"      # no kill: this rank's commit agree of STEP returns another code than its peers
     UPDATE = "update"
     RECOVERY = "recovery"      # inside the next repair, after the shrink
     CHECKPOINT = "checkpoint"  # rank 0, half-way through writing the checkpoint of STEP

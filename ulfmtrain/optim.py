@@ -277,7 +277,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def hand_over_pending(self) -> None:
-        """After a failure after the last bucket (the step committed): hand over once the update is applied,
+        """After a newcomer joined at a step boundary (the step committed): hand over once the update is applied,
         or at the next synchronize if the update was skipped (a GradScaler's inf step), or at the end."""
         pending = getattr(self.comm, "pending_handover", None)
         if pending is not None:

@@ -187,8 +187,10 @@ class RespawnComm(SpareComm):
                     before_agree: Any = None) -> Any:
         self._repaired = False
         result = super().transaction(attempt, commit, what=what, before_agree=before_agree)
-        # After a repair the agreed bits may include a rank that is now dead: decide at the next boundary.
-        if what == "step" and self.slot is not None and not self._repaired:
+        # After a repair, or a commit agree that met a process failure (the repair is due in the next
+        # transaction), the agreed bits may include a rank that is now dead, and a 100-failure soak saw them
+        # differ between ranks after such an agree: decide at the next boundary.
+        if what == "step" and self.slot is not None and not (self._repaired or self._failure_seen):
             self._boundary()
         return result
 

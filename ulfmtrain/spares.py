@@ -44,7 +44,7 @@ class SpareComm(FaultTolerantComm):
         self.slot: int | None = me if me < self.slots else None
         self.spares_left = spares
         self.handover: Callable[[int, int], None] | None = None   # (root, next attempt) -> state sent/received
-        self.pending_handover: tuple[int, int] | None = None    # after the update of a step that committed
+        self.pending_handover: tuple[int, int] | None = None    # a respawn join: after the step's update
         self.takeover: dict | None = None      # a spare that took a slot: which slot, and the root of the handover
         self._setup(self._split(), -1 if self.slot is None else self.slot, list(range(self.slots)))
         lifecycle.arm_at_exit()
@@ -105,16 +105,11 @@ class SpareComm(FaultTolerantComm):
         for fn in self._listeners:
             fn(event)
         if plan["replaced"] and self.handover is not None:
-            # The newcomers get the committed state: an aborted step is then redone with them; a step that
-            # committed is handed over once its update is applied (DistributedOptimizer.step).
-            root = self.alive.index(plan["root"])
+            # The newcomers get the committed state: an aborted step is then redone with them.
             self.receivers |= set(plan["replaced"])
-            if committed and what == "step":
-                self.pending_handover = (root, 0)
-            else:
-                t0 = MPI.Wtime()
-                self.handover(root, 0 if committed else self._attempt + 1)
-                event.extra["handover_ms"] = (MPI.Wtime() - t0) * 1e3   # the newcomers' start-up included
+            t0 = MPI.Wtime()
+            self.handover(self.alive.index(plan["root"]), 0 if committed else self._attempt + 1)
+            event.extra["handover_ms"] = (MPI.Wtime() - t0) * 1e3   # the newcomers' start-up included
 
     # -- a spare ------------------------------------------------------------------
     def wait_for_slot(self) -> bool:

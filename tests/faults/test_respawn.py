@@ -24,6 +24,13 @@ def respawns(logs, slot: int, status: str) -> list[dict]:
     return [r for r in select(logs[slot], "respawn") if r["status"] == status]
 
 
+def sizes(history: list[int]) -> list[int]:
+    """The sizes a world without spares went through: an MPI error with no rank dead (two or three per 30
+    failures in the soaks, while the spawning rank's thread spawns or merges a newcomer) is redone on a
+    rebuilt communicator of the same size, which adds an entry."""
+    return [n for i, n in enumerate(history) if i == 0 or n != history[i - 1]]
+
+
 @pytest.mark.timeout(2 * BOUND_S)
 def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi, digits_dir, tmp_path):
     end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 30, "1@30")
@@ -67,7 +74,7 @@ def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, di
 def test_the_spawning_rank_dies_and_another_survivor_respawns(mpi, digits_dir, tmp_path):
     """Slot 0, the lowest survivor, spawns after the first kill and is killed while its batch starts."""
     end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 30, "1@30", "0@40")
-    assert end["world_history"][:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
+    assert sizes(end["world_history"])[:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
     failed = respawns(logs, 2, "failed")
     assert failed and failed[0]["reason"] == "the spawning rank failed", failed
     assert sorted(s for r in respawns(logs, 2, "joined") for s in r["slots"]) == [0, 1]
@@ -85,7 +92,7 @@ def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, d
     assert kill["phase"] == "join"
     failed = respawns(logs, 3, "failed")
     assert failed and failed[0]["reason"] == "a process failed during the join", failed
-    assert end["world_history"][:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
+    assert sizes(end["world_history"])[:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
     assert all(row.exact and row.finished for row in audit_logs(logs))
     # Nothing was lost: the survivors train on through the failed join and a later spawn joins.
     assert sorted(s for r in respawns(logs, 3, "joined") for s in r["slots"]) == sorted({1, victim})

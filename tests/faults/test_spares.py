@@ -50,8 +50,9 @@ def test_a_spare_takes_the_slot_and_the_run_ends_bit_identical(mpi, digits_dir, 
 @pytest.mark.timeout(2 * BOUND_S)
 @pytest.mark.parametrize("phase", ["commit", "final"])
 def test_a_spare_takes_the_slot_at_the_very_end(mpi, digits_dir, tmp_path, failure_free, phase):
-    """Slot 1 dies in the last step's commit (the step commits: the hand-over is due after the loop ended), or
-    in the final consistency check: the spare still gets the state, and every slot ends on one replica."""
+    """Slot 1 dies in the last step's commit (the step commits: the repair comes in the final check, after the
+    loop ended), or in the final consistency check: the spare still gets the state, and every slot ends on one
+    replica."""
     end, logs = train(mpi, digits_dir, tmp_path, 1, f"1@{failure_free['steps'] - 1}:{phase}")
     assert end["world_history"] == [SLOTS, SLOTS]
     (rec,) = select(logs[0], "recovery")
@@ -76,6 +77,23 @@ def test_a_commit_agree_that_fails_on_one_rank_alone(mpi, digits_dir, tmp_path, 
     end, logs = train(mpi, digits_dir, tmp_path, 1, "1@30:disagree")
     assert select(logs[1], "injected_error"), "the schedule did not fire"
     assert end["world_history"] == [SLOTS] and not select(logs[0], "recovery")
+    assert all(row.exact and row.finished for row in audit_logs(logs))
+    assert end["checksum"] == failure_free["checksum"]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_process_failure_that_one_rank_alone_did_not_see_in_the_commit_agree(mpi, digits_dir, tmp_path,
+                                                                                failure_free):
+    """Slot 2 dies before the commit agree: its peers' agree says 1 with a process failure, but slot 1's says
+    success (Open MPI makes the value uniform, not the return code).  Before the fix the two that saw it
+    repaired at once while slot 1 went on to the next step, and all three waited for each other for good; now
+    nobody repairs on its own return code: the repair comes uniformly at the next step."""
+    end, logs = train(mpi, digits_dir, tmp_path, 1, "2@30:commit", "1@30:disagree")
+    assert select(logs[1], "injected_error"), "the schedule did not fire"
+    assert end["world_history"] == [SLOTS, SLOTS]
+    for slot in (0, 1):
+        (rec,) = select(logs[slot], "recovery")
+        assert rec["step"] == 31 and list(rec["replaced"]) == ["2"], rec
     assert all(row.exact and row.finished for row in audit_logs(logs))
     assert end["checksum"] == failure_free["checksum"]
 
