@@ -98,6 +98,18 @@ class RecoveryEvent:
 
 
 Listener = Callable[[RecoveryEvent], None]
+_retired: list[MPI.Comm] = []
+
+
+def retire(comm: MPI.Comm) -> None:
+    """Keep a communicator that every survivor has left, instead of freeing it.
+
+    Open MPI 5.0.11 hands a freed communicator's context id to the next one, and its agreement (ERA) keys
+    agreements by that id: in long soaks, ranks printed "removing old agreement from history, due to cycling
+    of identifiers", and agrees then returned different values on different ranks (one half committed a
+    step, the other repaired, and both waited for good).  A few handles per failure is the price.
+    """
+    _retired.append(comm)
 MAX_ERROR_REDOS = 3     # an error with nobody dead that comes back this often is not transient: stop
 
 
@@ -272,8 +284,7 @@ class FaultTolerantComm(_CommBase):
         wall_error = time.time() - (MPI.Wtime() - t_error)
         fresh, report = _ftcoll.repair(old)
         self.comm = fresh
-        # Every survivor has left `old` (the shrink on it completed everywhere).
-        old.Free()
+        retire(old)         # every survivor has left it (the shrink on it completed everywhere)
         self.alive = world_ranks(fresh)
         self.world_history.append(self.size)
         event = RecoveryEvent(
@@ -356,7 +367,7 @@ def _fault_tolerant_dup(base: MPI.Intracomm) -> MPI.Intracomm:
         if status == _ftcoll.OK:
             return comm
         fresh, _ = _ftcoll.repair(comm)
-        comm.Free()
+        retire(comm)
         return fresh
 
 

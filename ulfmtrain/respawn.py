@@ -33,7 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _ftcoll, faults, lifecycle
-from .comm import _fault_tolerant_dup, require_fault_tolerance
+from .comm import _fault_tolerant_dup, require_fault_tolerance, retire
 from .modes import Phase
 from .reinit import _watchdog
 from .spares import WAIT_POLL_S, SpareComm
@@ -259,10 +259,10 @@ class RespawnComm(SpareComm):
                               "MPI_Intercomm_merge, and Open MPI 5.0.x does not return from that")
             try:
                 merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
-                inter.Free()
+                retire(inter)
                 inter = None
                 world = _fault_tolerant_dup(merged)
-                merged.Free()
+                retire(merged)
             except MPI.Exception:
                 ok = 0
             timer.cancel()
@@ -301,9 +301,9 @@ class RespawnComm(SpareComm):
             self.slot = next(s for s, r in taken.items() if r == world.Get_rank())
         old, self.world = getattr(self, "world", None), world
         if old is not None:
-            old.Free()
+            retire(old)
         if getattr(self, "comm", MPI.COMM_NULL) != MPI.COMM_NULL:
-            self.comm.Free()
+            retire(self.comm)
         self.comm = self._split()
         if self.comm != MPI.COMM_NULL:
             _ftcoll.agree(self.comm, 1)     # before first use: no peer is still creating it
@@ -348,7 +348,7 @@ class RespawnComm(SpareComm):
             inter = MPI.COMM_WORLD.Create_intercomm(0, pool, 0, TAG)
             merged = MPI.Intracomm(inter.Merge(high=True))
             world = _fault_tolerant_dup(merged)
-            merged.Free()
+            retire(merged)
             info = world.bcast(None, root=0)
             held = world.allgather(None)
             flag, status = _ftcoll.agree(world, 1)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from mpi4py import MPI
 
 from . import _ftcoll, lifecycle
-from .comm import FaultTolerantComm, RecoveryEvent, _fault_tolerant_dup, require_fault_tolerance
+from .comm import FaultTolerantComm, RecoveryEvent, _fault_tolerant_dup, require_fault_tolerance, retire
 
 WAIT_POLL_S = 0.005     # a waiting spare tests its barrier this often: no core spins
 
@@ -72,7 +72,7 @@ class SpareComm(FaultTolerantComm):
         """Repair the world with every live rank (training or waiting); give dead slots to waiting spares."""
         old = self.world
         fresh, report = _ftcoll.repair(old)
-        old.Free()
+        retire(old)
         self.world = fresh
         slots = fresh.allgather(-1 if self.slot is None else self.slot)
         dead = sorted(set(self.alive) - set(slots))    # slots removed earlier are not dead again
@@ -82,7 +82,7 @@ class SpareComm(FaultTolerantComm):
             self.slot = next(s for s, r in taken.items() if r == fresh.Get_rank())
         self.spares_left = len(waiting) - len(taken)
         if self.comm != MPI.COMM_NULL:
-            self.comm.Free()
+            retire(self.comm)
         self.comm = self._split()
         self.world_rank = self.slot if self.slot is not None else -1
         survivors = [s for s in slots if s >= 0]

@@ -218,7 +218,7 @@ def test_broadcast_survives_a_dead_root(mpi, tmp_path, case):
     payloads = {json.dumps(g["payload"]) for g in got.values()}
     assert len(payloads) == 1 and got[1]["payload"]["from"] == 1          # rank 1 is the new lowest
     for g in got.values():
-        assert g["history"] == [n, n - 1] and g["comm_freed"]
+        assert g["history"] == [n, n - 1] and g["comm_retired"]
 
 
 @pytest.mark.timeout(90)
