@@ -126,8 +126,9 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
             "rc": proc.returncode}
 
 
-def measure(out: Path, ranks: int, kills: list[dict[str, Any]]) -> dict[str, Any]:
-    """What one job's rank logs say: steps, training time, consistency, audit, world restored."""
+def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: float = 0.0) -> dict[str, Any]:
+    """What one job's rank logs say: steps, training time, consistency, audit, world restored; with kills, where
+    the time lost went (lost_parts, against a reference step of ref_step_s)."""
     logs = read_rank_logs(out)
     ends = select(logs, "end")
     starts = select(logs, "start")
@@ -173,7 +174,7 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]]) -> dict[str, Any
         respawn_joins=len(joins), respawn_failed=len(failed), recovery_ms=common.summarize(list(per_step.values())),
         progress=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
     if kills:
-        res["logs"] = logs          # for lost_parts, dropped before writing
+        res["lost_s_per_failure_by_part"] = lost_parts(logs, kills, ref_step_s)
     return res
 
 
@@ -266,7 +267,7 @@ def main(argv: list[str]) -> int:
     print(f"soak: {epochs} epochs, {args.failures} SIGKILLs, one every {args.interval:g} s on average", flush=True)
     soak_run = run_job(args, data, work / "soak", epochs, args.failures)
     kills = soak_run["kills"]
-    soak = measure(work / "soak", args.ranks, kills)
+    soak = measure(work / "soak", args.ranks, kills, free["train_s"] / free["steps"])
     reference("free_after", args)
     ok = free.get("ended") and soak.get("ended")
     headline: dict[str, Any] = {"failures_delivered": len(kills), "job_ended": bool(soak.get("ended"))}
@@ -280,7 +281,7 @@ def main(argv: list[str]) -> int:
             failures_survived=len(kills) if soak["consistent"] else 0,
             steps_committed=soak["steps"], goodput_ratio=goodput["free"], goodput_against=goodput,
             lost_s_per_failure=(soak["train_s"] - free["train_s"] * epochs / ref_epochs) / max(1, len(kills)),
-            lost_s_per_failure_by_part=lost_parts(soak.pop("logs"), kills, free["train_s"] / free["steps"]),
+            lost_s_per_failure_by_part=soak["lost_s_per_failure_by_part"],
             recovery_ms_per_failure=soak["recovery_ms"],
             replicas_identical=soak["consistent"] and soak["replicas_identical_after_every_recovery"],
             audit_exact=soak["audit_exact"],

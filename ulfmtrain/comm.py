@@ -98,6 +98,9 @@ class RecoveryEvent:
 
 
 Listener = Callable[[RecoveryEvent], None]
+MAX_ERROR_REDOS = 3     # an error with nobody dead that comes back this often is not transient: stop
+
+
 _retired: list[MPI.Comm] = []
 
 
@@ -110,7 +113,6 @@ def retire(comm: MPI.Comm) -> None:
     step, the other repaired, and both waited for good).  A few handles per failure is the price.
     """
     _retired.append(comm)
-MAX_ERROR_REDOS = 3     # an error with nobody dead that comes back this often is not transient: stop
 
 
 class Comm(Protocol):
@@ -242,20 +244,18 @@ class FaultTolerantComm(_CommBase):
                 except faults.InjectedError:    # this rank alone: an error where its peers succeeded, or not
                     agreed = _ftcoll.OK if agreed == _ftcoll.FAILED else _ftcoll.ERROR   # the failure they met
             agree_ms = (MPI.Wtime() - t_error) * 1e3
-            if flag and commit is not None:
-                commit(result)              # type: ignore[arg-type]
-            if agreed != _ftcoll.OK and flag:
+            if flag:
+                if commit is not None:
+                    commit(result)          # type: ignore[arg-type]
                 # The agreed value is uniform, the return code is not: every rank committed, and peers told OK
                 # are already in the next transaction.  A repair here alone would wait for them for good: a
                 # process failure is repaired at the start of the next transaction, by everyone.
                 if agreed == _ftcoll.FAILED:
                     self._failure_seen = True
-                else:
+                elif agreed != _ftcoll.OK:
                     print(f"ulfmtrain: warning: {what} {self.step}: the commit agree returned an MPI error on "
                           f"world rank {self.world_rank}; the step committed everywhere, training goes on",
                           file=sys.stderr, flush=True)
-                agreed = _ftcoll.OK
-            if agreed == _ftcoll.OK and flag:
                 if n and self.events:
                     self.events[-1].redo_ms = (t_error - t0) * 1e3
                 return result               # type: ignore[return-value]
