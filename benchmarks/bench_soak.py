@@ -46,6 +46,7 @@ from ulfmtrain.events import read_rank_logs, select  # noqa: E402
 from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "soak"
+SLOW_DETECT_MS = 1000.0
 
 
 def train_argv(args: argparse.Namespace, data: Path, out: Path, epochs: int) -> list[str]:
@@ -172,6 +173,10 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
         spare_takeovers=len({(r["step"], r["size_before"]) for r in recs if r.get("replaced")}),
         shrinks=len({(r["step"], r["size_after"]) for r in recs if r["removed"]}),
         respawn_joins=len(joins), respawn_failed=len(failed), recovery_ms=common.summarize(list(per_step.values())),
+        # An MPI error with no rank dead, redone on a rebuilt communicator; a failure that took over a second to
+        # be noticed (a kill is noticed in tens of ms: longer means the ranks were stuck when it came).
+        errors_with_nobody_dead=len({r["step"] for r in recs if r.get("cause")}),
+        slow_detections=len({r["step"] for r in recs if r["detect_ms"] > SLOW_DETECT_MS}),
         progress=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
     if kills:
         res["lost_s_per_failure_by_part"] = lost_parts(logs, kills, ref_step_s)
@@ -288,7 +293,8 @@ def main(argv: list[str]) -> int:
             checksum_equals_failure_free=soak["checksum"] == free["checksum"] if ref_epochs == epochs else None,
             world_restored_before_next_failure=f"{soak['restored_before_next']}/{len(kills)}",
             spare_takeovers=soak["spare_takeovers"], respawn_joins=soak["respawn_joins"],
-            respawn_failed=soak["respawn_failed"], shrinks=soak["shrinks"])
+            respawn_failed=soak["respawn_failed"], shrinks=soak["shrinks"],
+            errors_with_nobody_dead=soak["errors_with_nobody_dead"], slow_detections=soak["slow_detections"])
     print(json.dumps(headline, indent=1))
     png = args.results / f"{NAME}.png"
     args.results.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,19 @@ from pathlib import Path
 from typing import TypeVar
 
 from .job import DEFAULT_BATCH, DEFAULT_BUCKET_BYTES, TrainJob
-from .modes import PROG, CheckpointStrategy, DataPolicy, Device, Phase, Recovery, Reload, Replace, UsageError, choices
+from .modes import (
+    PROG,
+    CheckpointStrategy,
+    DataPolicy,
+    Device,
+    LrScaling,
+    Phase,
+    Recovery,
+    Reload,
+    Replace,
+    UsageError,
+    choices,
+)
 
 T = TypeVar("T")
 
@@ -35,6 +47,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--lr-scaling", choices=choices(LrScaling), default=LrScaling.LINEAR.value,
+                   help="linear: after a shrink or a join the learning rate follows the global batch "
+                        "(lr x live ranks / ranks at the start); none: keep --lr at any world size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reload", choices=choices(Reload), default=Reload.PARTIAL.value,
                    help="after a failure read only my share of the lost records, or re-read my whole shard")

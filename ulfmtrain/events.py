@@ -27,6 +27,7 @@ class Event(StrEnum):
     KILL = "kill"                             # this rank SIGKILLs itself now
     INJECTED_ERROR = "injected_error"         # a schedule's error phase: this rank revokes, no rank dies
     RECOVERY = "recovery"                     # a repair (comm.RecoveryEvent)
+    LR = "lr"                                 # the learning rate of the first step, and after it changed
     REINIT = "reinit"                         # reinit: the world was rebuilt
     RESPAWN = "respawn"                       # respawn: a spawn started, joined or failed (status)
     EPOCH = "epoch"                           # an epoch ended (test accuracy, checksum)
@@ -48,6 +49,7 @@ REQUIRED: dict[Event, frozenset[str]] = {
     Event.KILL: frozenset({"step", "phase", "spec"}),
     Event.INJECTED_ERROR: frozenset({"step", "spec"}),
     Event.RECOVERY: frozenset({"step", "what", "committed", "size_before", "size_after", "removed"}),
+    Event.LR: frozenset({"step", "lr", "world"}),
     Event.REINIT: frozenset({"dead", "size_after"}),
     Event.RESPAWN: frozenset({"status", "slots", "world"}),
     Event.EPOCH: frozenset({"epoch"}),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .faults import parse_kill
-from .modes import CheckpointStrategy, DataPolicy, Device, Phase, Recovery, Reload, Replace, UsageError
+from .modes import CheckpointStrategy, DataPolicy, Device, LrScaling, Phase, Recovery, Reload, Replace, UsageError
 
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import Checkpointer
@@ -30,6 +30,7 @@ class TrainConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 1e-4
+    lr_scaling: LrScaling = LrScaling.LINEAR   # after a shrink or a join, lr follows the global batch
     seed: int = 0
     reload: Reload = Reload.PARTIAL
     data_policy: DataPolicy = DataPolicy.EXACTLY_ONCE
@@ -78,7 +79,8 @@ class TrainJob:
             return Path(v) if v else None
 
         config = TrainConfig(epochs=ns.epochs, batch=ns.batch, lr=ns.lr, momentum=ns.momentum,
-                             weight_decay=ns.weight_decay, seed=ns.seed, reload=Reload(ns.reload),
+                             weight_decay=ns.weight_decay, lr_scaling=LrScaling(ns.lr_scaling), seed=ns.seed,
+                             reload=Reload(ns.reload),
                              data_policy=DataPolicy(ns.data_policy), audit=ns.audit, bucket_bytes=ns.bucket_bytes,
                              overlap=ns.overlap, progress=not ns.no_progress)
         ckpt = CheckpointOptions(path(ns.ckpt_dir), ns.ckpt_every, ns.ckpt_epoch, CheckpointStrategy(ns.ckpt_strategy),
@@ -96,7 +98,8 @@ class TrainJob:
             if value is not None:
                 argv += [flag, str(value)]
         argv += ["--model", self.model, "--epochs", str(c.epochs), "--batch", str(c.batch), "--lr", repr(c.lr),
-                 "--momentum", repr(c.momentum), "--weight-decay", repr(c.weight_decay), "--seed", str(c.seed),
+                 "--momentum", repr(c.momentum), "--weight-decay", repr(c.weight_decay),
+                 "--lr-scaling", c.lr_scaling.value, "--seed", str(c.seed),
                  "--reload", c.reload.value, "--data-policy", c.data_policy.value,
                  "--bucket-bytes", str(c.bucket_bytes), "--out", str(self.out),
                  "--finalize-timeout", repr(self.finalize_timeout), "--recovery", self.recovery.value,

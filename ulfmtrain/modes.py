@@ -73,6 +73,13 @@ class DataPolicy(StrEnum):
     LOSSY = "lossy"                 # skipped this epoch (paper 000's Lossy-Forward)
 
 
+class LrScaling(StrEnum):
+    """How the learning rate follows the world size (the global batch) after a shrink or a join."""
+
+    LINEAR = "linear"      # lr x live slots / slots it was set for (Goyal et al.'s linear scaling rule)
+    NONE = "none"          # the configured lr at any world size
+
+
 class CheckpointStrategy(StrEnum):
     """How rank 0 writes a checkpoint."""
 

@@ -29,6 +29,9 @@ from .overlap import Overlap
 if TYPE_CHECKING:
     from .comm import Comm
 
+LR_WORLD = "lr_world"     # a param group's key under scale_lr: the world size its lr is set for
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap a torch optimizer: average gradients over the survivors as one transaction, then step.
 
@@ -54,11 +57,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             communication thread (DDP's overlap).  Declare this rank's samples
             before backward with begin_step(samples); accumulate micro-batches
             inside no_sync().  Bit-identical to overlap=False.
+        scale_lr: after a shrink or a join, scale each group's lr with the world size before the
+            update (the linear scaling rule: an update averages size x batch samples).  The size the
+            lr is set for travels in param_groups (LR_WORLD), so hand-overs and checkpoints carry it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Comm, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 broadcast: bool = True, overlap: bool = False) -> None:
+                 broadcast: bool = True, overlap: bool = False, scale_lr: bool = False) -> None:
         # Not Optimizer.__init__: param_groups and state stay the wrapped optimizer's own.
         self.optimizer = optimizer
         self.comm = comm
@@ -83,6 +89,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._commit_hooks: list[Callable[[], None]] = []
         self._attempt_hooks: list[Callable[[int, int], None]] = []
         self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        if scale_lr:
+            for g in optimizer.param_groups:
+                g.setdefault(LR_WORLD, comm.size)
+            self._commit_hooks.append(self._follow_world)
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
         # A SpareComm: survivors hand the committed state (buffers as of the last update, not as this
@@ -253,6 +263,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for fn in self._commit_hooks:
             fn()
 
+    def _follow_world(self) -> None:
+        # At the commit, so the redo of a step aborted by a failure already updates at the new size; every
+        # rank holds the same groups and size, so the lr stays uniform.
+        size = self.comm.size
+        for g in self.param_groups:
+            world = g.setdefault(LR_WORLD, size)
+            if world != size:
+                g["lr"], g[LR_WORLD] = g["lr"] * size / world, size
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Within this block, step() applies the update without reducing again (after synchronize())."""
@@ -376,6 +395,7 @@ class FTSGD(DistributedOptimizer):
     def __init__(self, params: Iterable[torch.Tensor], comm: Comm, lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 broadcast: bool = True, overlap: bool = False) -> None:
+                 broadcast: bool = True, overlap: bool = False, scale_lr: bool = False) -> None:
         sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(sgd, comm, model=model, bucket_bytes=bucket_bytes, broadcast=broadcast, overlap=overlap)
+        super().__init__(sgd, comm, model=model, bucket_bytes=bucket_bytes, broadcast=broadcast, overlap=overlap,
+                         scale_lr=scale_lr)

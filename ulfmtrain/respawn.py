@@ -6,7 +6,7 @@ thread (MPI runs with THREAD_MULTIPLE), one process per empty slot plus one per
 missing spare, each as its own MPI job over MPI_COMM_SELF (PRRTE ends a whole
 spawned job when one of its processes dies), and everyone keeps training.  A
 newcomer imports torch, says it is ready, and waits (test-and-sleep) merged
-with the spawning rank.  Every commit agree carries three more bits
+with the spawning rank (which merges between two steps, on its main thread).  Every commit agree carries three more bits
 (comm.py `_commit_bits`): "I own a batch", "a newcomer is ready", "it
 succeeded"; only the owner sends zeros, so every rank learns the same state at
 the same step.  At each step boundary where a newcomer is ready and the world
@@ -55,10 +55,14 @@ def _wait(req: MPI.Request) -> None:
 
 
 class _Spawn:
-    """`count` newcomers spawned by their owner on a thread, one MPI job each, and merged with it when ready.
+    """`count` newcomers spawned by their owner on a thread, one MPI job each, merged with it when ready.
 
     One job each: PRRTE ends every process of a spawned job when one of them dies (a spawned job is not
-    started recoverable), so a batch spawned as one job would lose every newcomer to one kill.
+    started recoverable), so a batch spawned as one job would lose every newcomer to one kill.  The thread
+    only spawns.  The owner's main thread, between steps (poll), sees which newcomers are ready and merges
+    with them: a merge on the thread, while the main thread reduced, made the owner's reduction fail with
+    nobody dead (at the instant a newcomer got ready, four times in a 100-failure soak), and once the owner
+    then waited in a repair while its peers waited in the reduction, until a kill freed them 8 s later.
     """
 
     def __init__(self, command: list[str], count: int, slots: list[int]) -> None:
@@ -66,15 +70,16 @@ class _Spawn:
         self.t_start = time.time()
         self.t_spawned = 0.0
         self._lock = threading.Lock()
+        self._spawned: list[MPI.Intercomm] = []            # by the thread, not yet polled
+        self._pending: list[tuple[MPI.Intercomm, MPI.Request]] = []   # ready: the newcomer has imported torch
         self._ready: list[tuple[MPI.Intracomm, float]] = []   # (the owner and one newcomer, when ready)
         self._waiting: list[MPI.Intercomm] = []
         self.errors: list[str] = []
         self.stop = False
-        self.finished = threading.Event()                      # every newcomer is ready, or failed
+        self._spawning = threading.Event()                     # set when the thread is done
         threading.Thread(target=self._run, name="ulfmtrain-respawn", daemon=True).start()
 
     def _run(self) -> None:
-        pending: list[tuple[MPI.Intercomm, MPI.Request]] = []
         try:
             for _ in range(self.count):
                 if self.stop:
@@ -83,39 +88,48 @@ class _Spawn:
                     inter = MPI.COMM_SELF.Spawn(self.command[0], self.command[1:], maxprocs=1, root=0)
                     inter.Set_errhandler(MPI.ERRORS_RETURN)
                     self.t_spawned = self.t_spawned or time.time()
-                    self._waiting.append(inter)
-                    pending.append((inter, inter.Ibarrier()))   # ready: it has imported torch
+                    with self._lock:
+                        self._spawned.append(inter)
                 except MPI.Exception as exc:
                     self.errors.append(f"MPI_Comm_spawn: {exc.Get_error_string()}")
-            while pending and not self.stop:
-                for item in list(pending):
-                    inter, req = item
-                    try:
-                        if not req.Test():
-                            continue
-                        pool = MPI.Intracomm(inter.Merge(high=False))
-                        pool.Set_errhandler(MPI.ERRORS_RETURN)
-                        with self._lock:
-                            self._ready.append((pool, time.time()))
-                    except MPI.Exception as exc:
-                        self.errors.append(f"a newcomer failed before it was ready ({exc.Get_error_string()})")
-                    pending.remove(item)
-                time.sleep(WAIT_POLL_S)
         finally:
-            self.finished.set()
+            self._spawning.set()
+
+    def poll(self) -> None:
+        """The owner, between steps: merge with the newcomers that are ready (a few ms each)."""
+        with self._lock:
+            spawned, self._spawned = self._spawned, []
+        for inter in spawned:
+            self._waiting.append(inter)
+            self._pending.append((inter, inter.Ibarrier()))
+        for item in list(self._pending):
+            inter, req = item
+            try:
+                if not req.Test():
+                    continue
+                pool = MPI.Intracomm(inter.Merge(high=False))
+                pool.Set_errhandler(MPI.ERRORS_RETURN)
+                self._ready.append((pool, time.time()))
+                self._waiting.remove(inter)
+            except MPI.Exception as exc:
+                self.errors.append(f"a newcomer failed before it was ready ({exc.Get_error_string()})")
+            self._pending.remove(item)
 
     def ready(self) -> bool:
+        return bool(self._ready)
+
+    def finished(self) -> bool:
+        """Every newcomer is ready, or failed."""
         with self._lock:
-            return bool(self._ready)
+            return self._spawning.is_set() and not self._spawned and not self._pending
 
     def done(self) -> bool:
         """Nothing ready, and nothing more will be."""
-        return self.finished.is_set() and not self.ready()
+        return self.finished() and not self.ready()
 
     def pop(self) -> tuple[MPI.Intracomm, dict[str, float]]:
         """The next ready newcomer's pool, and when it was spawned and ready."""
-        with self._lock:
-            pool, t_ready = self._ready.pop(0)
+        pool, t_ready = self._ready.pop(0)
         return pool, {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start,
                       "ready_s": t_ready - self.t_start}
 
@@ -125,16 +139,17 @@ class _Spawn:
     def dismiss(self) -> None:
         """Send the ready newcomers away (END); revoke what the others wait on, so they leave too."""
         self.stop = True
-        with self._lock:
-            ready, self._ready = self._ready, []
+        ready, self._ready = self._ready, []
         for pool, _ in ready:
             try:
                 pool.Ibcast(np.array([END, 0], dtype=np.int64), root=0).Wait()
             except MPI.Exception:
                 _ftcoll.revoke(pool)
-        if not self.finished.is_set():
-            for inter in self._waiting:
-                _ftcoll.revoke(inter)
+        with self._lock:
+            self._waiting += self._spawned
+            self._spawned = []
+        for inter in self._waiting:
+            _ftcoll.revoke(inter)
 
 
 class RespawnComm(SpareComm):
@@ -181,7 +196,7 @@ class RespawnComm(SpareComm):
             return NO_BATCH | READY | OK
         if s.ready():
             return READY | OK
-        return READY if s.finished.is_set() else OK      # finished with nothing ready: it failed
+        return READY if s.finished() else OK      # finished with nothing ready: it failed
 
     def transaction(self, attempt: Any, commit: Any = None, *, what: str = "step",
                     before_agree: Any = None) -> Any:
@@ -200,6 +215,8 @@ class RespawnComm(SpareComm):
 
     def _boundary(self) -> None:
         """After a committed step: join a ready batch, or start one (every decision here is uniform)."""
+        if self._spawn is not None:
+            self._spawn.poll()          # the owner alone: what the next commit agree says of its batch
         bits = self.agreed_bits
         # A spare that took a slot in this step is not at this boundary: it waits for the state.
         if self.pending_handover is not None:
@@ -380,7 +397,7 @@ class RespawnComm(SpareComm):
 
 def attach(trainer: Trainer) -> None:
     """Rebalance `trainer`'s data at every join and log every respawn record in its event log."""
-    from .data.plan import initial_holdings
+    from .data.plan import holdings_of
     from .events import Event
 
     comm = trainer.comm
@@ -389,8 +406,7 @@ def attach(trainer: Trainer) -> None:
     def on_record(rec: dict[str, Any]) -> None:
         if rec["status"] == "joined" and rec["slots"]:
             # The partition of this world, as a fresh trainer (a newcomer's) computes it.
-            shards = initial_holdings(trainer.train.count, comm.size)
-            here = {w: shards[i] for i, w in enumerate(comm.alive)}
+            here = holdings_of(trainer.train.count, comm.alive)
             trainer.sampler.rebalance(here)
             got, secs = trainer.shard.retarget(here[comm.world_rank])
             rec.update(rebalance_ms=secs * 1e3, bytes_read=got)

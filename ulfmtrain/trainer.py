@@ -17,7 +17,7 @@ from . import faults
 from .atomic import write_json
 from .checkpoint.checkpointer import Checkpointer
 from .data.format import DatasetFile
-from .data.plan import initial_holdings, plan_recovery, ranges_len
+from .data.plan import holdings_of, plan_recovery, ranges_len
 from .data.sampler import EpochSampler
 from .data.shard import LocalShard
 from .device import model_device
@@ -25,7 +25,7 @@ from .events import EventLog
 from .extras import require
 from .faults import Kill
 from .job import TrainConfig
-from .modes import DataPolicy, Phase
+from .modes import DataPolicy, LrScaling, Phase
 from .optim import FTSGD, DistributedOptimizer
 
 if TYPE_CHECKING:
@@ -67,8 +67,7 @@ class Trainer:
 
         t_load = time.perf_counter()
         self.train = DatasetFile(train_path)
-        shards = initial_holdings(self.train.count, comm.size)
-        holdings = {w: shards[i] for i, w in enumerate(comm.alive)}
+        holdings = holdings_of(self.train.count, comm.alive)
         # A rank that takes a slot from the survivors reads its share once it has their partition (fit).
         self._awaiting_state = getattr(comm, "takeover", None) is not None
         self.shard = LocalShard(self.train, [] if self._awaiting_state else holdings[comm.world_rank])
@@ -88,7 +87,8 @@ class Trainer:
         self._broadcast = optimizer is None
         self.opt = optimizer or FTSGD(model.parameters(), comm, lr=cfg.lr, momentum=cfg.momentum,
                                       weight_decay=cfg.weight_decay, model=model, bucket_bytes=cfg.bucket_bytes,
-                                      broadcast=False, overlap=cfg.overlap)
+                                      broadcast=False, overlap=cfg.overlap,
+                                      scale_lr=cfg.lr_scaling is LrScaling.LINEAR)
 
         self.opt.register_extra_state("sampler", self.sampler.state, self._set_sampler_state)
         self.opt.add_commit_hook(self.sampler.commit)
@@ -96,6 +96,7 @@ class Trainer:
             self.opt.add_attempt_hook(self._audit)
         self.epoch_ended = False       # the last committed step closed an epoch (checkpoint cadence)
         self._logged_events = 0
+        self._lr: float | None = None  # the learning rate last logged
         self._ids = np.empty(0, dtype=np.int64)    # my batch's record ids, for the audit
         self._bar: Any = None
 
@@ -143,8 +144,7 @@ class Trainer:
             self._awaiting_state = False
             self.shard.retarget(self.sampler.holdings[self.comm.world_rank])
             return
-        shards = initial_holdings(self.train.count, self.comm.size)
-        here = {w: shards[i] for i, w in enumerate(self.comm.alive)}
+        here = holdings_of(self.train.count, self.comm.alive)
         if self.sampler.holdings != here:
             self.sampler.rebalance(here)
 
@@ -271,6 +271,9 @@ class Trainer:
                     self._log_events()
                     rec["checksum"] = self.opt.checksum()
                 self.log("step", **rec)
+                if self.opt.param_groups[0]["lr"] != self._lr:    # the first step's, and after a shrink or join
+                    self._lr = self.opt.param_groups[0]["lr"]
+                    self.log("lr", step=rec["step"], lr=self._lr, world=self.comm.size)
                 self._progress(loss)
                 self.epoch_ended = self.sampler.epoch_done()
                 if self.epoch_ended:

@@ -12,6 +12,7 @@ from ulfmtrain.data.format import DatasetFile
 from ulfmtrain.data.plan import check_coverage, initial_holdings, plan_recovery
 from ulfmtrain.events import read_rank_logs, select
 from ulfmtrain.faults import parse_kills
+from ulfmtrain.job import TrainConfig
 
 pytestmark = pytest.mark.faults
 RANKS, EPOCHS, BOUND_S = 4, 3, 120
@@ -28,7 +29,8 @@ def train_with_kills(mpi, digits_dir, out, kills, *extra):
     return proc, read_rank_logs(out)
 
 
-def check_invariants(proc, logs, digits_dir, kills, history, reload="partial", policy="exactly-once"):
+def check_invariants(proc, logs, digits_dir, kills, history, reload="partial", policy="exactly-once",
+                     lr_scaled=True):
     """Everything a fault run must hold, judged by what the ranks wrote."""
     diag = proc.stdout[-2000:] + proc.stderr[-4000:]
     killed = {k.rank for k in parse_kills(kills) if k.kills}
@@ -83,6 +85,16 @@ def check_invariants(proc, logs, digits_dir, kills, history, reload="partial", p
         assert all(r.exact for r in rows), rows
     else:
         assert all(r.duplicates == 0 for r in rows) and any(r.missing > 0 for r in rows), rows
+
+    # the learning rate follows the world (linear scaling, the default): logged at the first step and at the
+    # first step of each new world size
+    lr = TrainConfig().lr
+    for r in survivors:
+        steps = select(logs[r], "step")
+        worlds = [(x["step"], x["world"]) for i, x in enumerate(steps) if i == 0 or x["world"] != steps[i - 1]["world"]]
+        lrs = select(logs[r], "lr")
+        assert [(x["step"], x["world"]) for x in lrs] == (worlds if lr_scaled else worlds[:1]), lrs
+        assert all(math.isclose(x["lr"], lr * x["world"] / RANKS if lr_scaled else lr) for x in lrs), lrs
 
     # the loss falls across the failure: the first steps, the first epoch's mean, the last epoch's mean
     low = min(survivors)
@@ -181,8 +193,8 @@ def test_backward_fraction_with_full_reload_trains_on_the_same_records(mpi, digi
 @pytest.mark.timeout(BOUND_S + 30)
 def test_lossy_policy_skips_only_the_dead_ranks_rest_of_epoch(mpi, digits_dir, tmp_path):
     kills = ["1@30"]
-    proc, logs = train_with_kills(mpi, digits_dir, tmp_path, kills, "--data-policy", "lossy")
-    check_invariants(proc, logs, digits_dir, kills, [4, 3], policy="lossy")
+    proc, logs = train_with_kills(mpi, digits_dir, tmp_path, kills, "--data-policy", "lossy", "--lr-scaling", "none")
+    check_invariants(proc, logs, digits_dir, kills, [4, 3], policy="lossy", lr_scaled=False)
     rows = {r.epoch: r for r in audit_logs(logs)}
     dropped = {x["epoch"]: x.get("dropped", 0) for x in logs[0] if x["event"] == "epoch"}
     assert rows[1].missing == dropped[1] > 0 and rows[0].missing == rows[2].missing == 0

@@ -2,10 +2,13 @@
 with the survivors' live state, while the survivors keep training; the world size comes back."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ulfmtrain.audit import audit_logs
 from ulfmtrain.events import select
+from ulfmtrain.job import TrainConfig
 
 pytestmark = pytest.mark.faults
 BOUND_S = 180
@@ -44,6 +47,13 @@ def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi,
     assert joined["ready_s"] > 0 and joined["join_ms"] < 5000
     (newcomer,) = respawns(logs, 1, "newcomer")
     assert newcomer["slots"] == [1] and select(logs[1], "end")[-1]["steps"] == end["steps"]
+    # The learning rate followed the world down and back up (to the last bit or so), on the newcomer too, which
+    # got the shrunk one: the same lr on every rank.
+    lr, lrs = TrainConfig().lr, select(logs[0], "lr")
+    assert [x["world"] for x in lrs] == [4, 3, 4], lrs
+    assert [x["lr"] for x in lrs] == pytest.approx([lr, lr * 3 / 4, lr], rel=1e-12)
+    mine = logs[1][logs[1].index(newcomer):]         # slot 1's log: the killed rank's lines, then the newcomer's
+    assert [(x["step"], x["lr"]) for x in select(mine, "lr")] == [(lrs[-1]["step"], lrs[-1]["lr"])]
 
 
 @pytest.mark.long          # about a minute: two runs of 40 epochs
@@ -96,3 +106,17 @@ def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, d
     assert all(row.exact and row.finished for row in audit_logs(logs))
     # Nothing was lost: the survivors train on through the failed join and a later spawn joins.
     assert sorted(s for r in respawns(logs, 3, "joined") for s in r["slots"]) == sorted({1, victim})
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_respawn_in_a_loop_of_your_own(mpi, tmp_path):
+    """A user's loop (tests/scripts/spare_loop.py respawn, 3 ranks, 20 epochs): the newcomer runs the program
+    again; distributed_sampler rebalances at the join and scale_lr follows the world down and back up."""
+    mpi.script(3, mpi.root / "tests" / "scripts" / "spare_loop.py", [str(tmp_path), "respawn", "1@20"],
+               timeout=BOUND_S)
+    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(got) == [0, 1, 2], got
+    assert len({g["checksum"] for g in got.values()}) == 1 and len({g["steps"] for g in got.values()}) == 1, got
+    assert sizes(got[0]["history"]) == [3, 2, 3] and got[1]["joined"] and not got[0]["joined"], got
+    assert got[0]["samples"] == 20 * 1200, got[0]       # every record once per epoch, through shrink and join
+    assert len({g["lr"] for g in got.values()}) == 1 and got[0]["lr"] == pytest.approx(0.05, rel=1e-12), got

@@ -1,9 +1,10 @@
-"""A user's own loop with a hot spare (3 slots + 1 spare), under mpirun --with-ft ulfm on 4 ranks.
+"""A user's own loop with a hot spare (3 slots + 1 spare, 4 ranks) or respawn (3 ranks), under mpirun --with-ft ulfm.
 
 argv: OUT MODE [KILL].  MODE "dies": the spare SIGKILLs itself while it waits
-(a timer thread); "takes-over": it takes the slot of the rank KILL kills.
+(a timer thread); "takes-over": it takes the slot of the rank KILL kills;
+"respawn": no spare, a process spawned in the background takes it (20 epochs instead of 3).
 KILL: a kill spec for a training rank, e.g. 1@50 (75 steps in all).  Each training rank that
-ends writes OUT/rank<slot>.json: checksum, world history, recoveries, steps.
+ends writes OUT/rank<slot>.json: checksum, world history, recoveries, steps, samples.
 """
 import json
 import os
@@ -15,17 +16,18 @@ import time
 import torch
 
 from ulfmtrain import DistributedOptimizer, distributed_sampler, faults
+from ulfmtrain.respawn import RespawnComm
 from ulfmtrain.spares import SpareComm
 
 out, mode = sys.argv[1], sys.argv[2]
-comm = SpareComm(1)
-joined = False
+# A newcomer runs this program again, without the kills.
+comm = RespawnComm(0, [sys.executable, "-P", __file__, out, mode]) if mode == "respawn" else SpareComm(1)
 if comm.is_spare:
     if mode == "dies":
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     if not comm.wait_for_slot():
         raise SystemExit(0)
-    joined = True
+joined = comm.takeover is not None      # a spare that took a slot, or a newcomer
 kills = [k for k in faults.parse_kills(sys.argv[3:]) if not (joined and k.rank == comm.world_rank)]
 faults.arm(kills, comm.world_rank)
 torch.manual_seed(0)
@@ -33,11 +35,11 @@ g = torch.Generator().manual_seed(1)
 x, y = torch.randn(1200, 8, generator=g), torch.randint(0, 4, (1200,), generator=g)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm, model=model, bucket_bytes=256,
-                           broadcast=not joined)
+                           broadcast=not joined, scale_lr=mode == "respawn")
 sampler = distributed_sampler(comm, opt, len(y), 16, seed=3)
 if joined:          # the survivors' committed state: model, optimizer, step, sampler
     opt.handover(comm.takeover["root"], receive=True)
-for epoch in range(sampler.epoch, 3):
+for epoch in range(sampler.epoch, 20 if mode == "respawn" else 3):
     if epoch != sampler.epoch:
         sampler.start_epoch(epoch)
     while not sampler.epoch_done():
@@ -48,8 +50,9 @@ for epoch in range(sampler.epoch, 3):
             torch.nn.functional.cross_entropy(model(x[ids]), y[ids]).backward()
         opt.step(samples=len(ids))
         time.sleep(0.01)        # long enough for the spare's timer to fire mid-training
-comm.release_spares()
+comm.close() if isinstance(comm, RespawnComm) else comm.release_spares()
 with open(os.path.join(out, f"rank{comm.world_rank}.json"), "w") as f:
     json.dump({"checksum": opt.checksum(), "history": comm.world_history, "steps": opt.step_count,
-               "removed": [e.removed for e in comm.events], "spares_left": comm.spares_left, "joined": joined}, f)
+               "removed": [e.removed for e in comm.events], "spares_left": comm.spares_left, "joined": joined,
+               "samples": opt.samples_total, "lr": opt.param_groups[0]["lr"]}, f)
 comm.finalize()

@@ -188,3 +188,24 @@ def test_gradients_become_bucket_views_and_stay_correct():
     g = torch.cat([p.grad.reshape(-1).clone() for p in opt.params])
     opt.synchronize()
     assert torch.equal(torch.cat([p.grad.reshape(-1) for p in opt.params]), g)
+
+
+def test_scale_lr_follows_the_world_at_the_commit_and_travels_in_the_state():
+    model = torch.nn.Linear(4, 2)
+    comm = FakeComm(size=4)
+    opt = FTSGD(model.parameters(), comm, lr=0.08, model=model, scale_lr=True)
+    steady = FTSGD(torch.nn.Linear(4, 2).parameters(), FakeComm(size=4), lr=0.08)
+    lrs = []
+    for size in (4, 3, 3, 1, 4):
+        comm.size = steady.comm.size = size
+        for o in (opt, steady):
+            model(torch.ones(1, 4)).sum().backward()
+            o.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx([0.08, 0.06, 0.06, 0.02, 0.08], rel=1e-12)
+    assert steady.param_groups[0]["lr"] == 0.08                  # off by default
+    # A hand-over or a checkpoint carries the size the lr is set for: a receiver at another size rescales.
+    other = FTSGD(torch.nn.Linear(4, 2).parameters(), FakeComm(size=2), lr=0.5, scale_lr=True)
+    other.load_state_dict(opt.state_dict())
+    other.step()
+    assert other.param_groups[0]["lr"] == pytest.approx(0.04, rel=1e-12)

@@ -93,6 +93,12 @@ def initial_holdings(count: int, world_size: int) -> dict[int, Ranges]:
     return out
 
 
+def holdings_of(count: int, alive: list[int]) -> dict[int, Ranges]:
+    """The partition of a world whose live slots are `alive`, in order: what a fresh start of it holds."""
+    shards = initial_holdings(count, len(alive))
+    return {w: shards[i] for i, w in enumerate(alive)}
+
+
 @dataclass(frozen=True)
 class RecoveryPlan:
     """Who holds and who must read which records after some ranks died.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..modes import DataPolicy, parse
-from .plan import Ranges, initial_holdings, merge_ranges, plan_recovery
+from .plan import Ranges, holdings_of, merge_ranges, plan_recovery
 
 if TYPE_CHECKING:
     from ..comm import Comm
@@ -168,11 +168,11 @@ def distributed_sampler(comm: Comm, opt: DistributedOptimizer, count: int, batch
 
     It advances when a step of `opt` (a DistributedOptimizer) commits, hands a
     dead rank's uncommitted records to the survivors after a repair of `comm`,
-    and is part of the replicated state.  Epoch 0 is started; call
-    `start_epoch(e)` for the next ones and train while `not epoch_done()`.
+    rebalances when a respawned process joins (a RespawnComm), and is part of
+    the replicated state.  Epoch 0 is started; call `start_epoch(e)` for the
+    next ones and train while `not epoch_done()`.
     """
-    shards = initial_holdings(count, comm.size)
-    sampler = EpochSampler({w: shards[i] for i, w in enumerate(comm.alive)}, batch, seed, policy)
+    sampler = EpochSampler(holdings_of(count, comm.alive), batch, seed, policy)
 
     def replan(event: Any) -> None:
         if event.removed:
@@ -181,5 +181,8 @@ def distributed_sampler(comm: Comm, opt: DistributedOptimizer, count: int, batch
     opt.add_commit_hook(sampler.commit)
     opt.register_extra_state("sampler", sampler.state, sampler.load_state)
     comm.add_listener(replan)
+    if hasattr(comm, "add_join_listener"):       # a RespawnComm: a newcomer's slot gets its share again
+        comm.add_join_listener(lambda rec: sampler.rebalance(holdings_of(count, comm.alive))
+                               if rec["status"] == "joined" and rec["slots"] else None)
     sampler.start_epoch(0)
     return sampler
