@@ -1,24 +1,26 @@
 """Respawn (`--replace respawn`): processes spawned in the background refill the empty slots and the spares.
 
 Once no spare is left, a failure leaves its slot empty and the survivors train
-on, shrunk.  At the next step boundary the lowest survivor alone spawns, on a
-thread (MPI runs with THREAD_MULTIPLE), one process per empty slot plus one per
-missing spare, each as its own MPI job over MPI_COMM_SELF (PRRTE ends a whole
-spawned job when one of its processes dies), and everyone keeps training.  A
-newcomer imports torch, says it is ready, and waits (test-and-sleep) merged
-with the spawning rank (which merges between two steps, on its main thread).  Every commit agree carries three more bits
-(comm.py `_commit_bits`): "I own a batch", "a newcomer is ready", "it
-succeeded"; only the owner sends zeros, so every rank learns the same state at
-the same step.  At each step boundary where a newcomer is ready and the world
-has an empty slot or lacks a spare, every rank joins it alike: an
-intercommunicator from the survivors' world to it (the owner leads), merged and
-dup'ed fault-tolerantly; it takes the lowest empty slot or waits as a spare;
-the training communicator is split again in slot order; the data partition
-rebalances (join listeners); and after the step's update the survivors hand it
-the committed state, as they do for spares.  No checkpoint, no rollback.  Only
-the owner's death loses a batch (its newcomers leave, and the next lowest
-survivor spawns again); a spawn or a join that fails leaves the world at its
-size, is reported to the listeners, and is tried again after the next failure.
+on, shrunk.  At the next step boundaries the lowest survivor alone spawns, on
+its main thread, one process (about 1 s each, while its peers wait in the next
+reduction) per empty slot plus one per missing spare,
+each as its own MPI job over MPI_COMM_SELF (PRRTE ends a whole spawned job when
+one of its processes dies), and everyone keeps training while the newcomers
+start.  A newcomer imports torch, says it is ready, and waits (test-and-sleep)
+merged with the spawning rank, which merges between two steps.  Every commit
+agree carries three more bits (comm.py `_commit_bits`): "I own a batch", "a
+newcomer is ready", "it succeeded"; only the owner sends zeros, so every rank
+learns the same state at the same step.  At each step boundary where a newcomer
+is ready and the world has an empty slot or lacks a spare, every rank joins it
+alike: an intercommunicator from the survivors' world to it (the owner leads),
+merged and dup'ed fault-tolerantly; it takes the lowest empty slot or waits as
+a spare; the training communicator is split again in slot order; the data
+partition rebalances (join listeners); and after the step's update the
+survivors hand it the committed state, as they do for spares.  No checkpoint,
+no rollback.  Only the owner's death loses a batch (its newcomers leave, and
+the next lowest survivor spawns again); a spawn or a join that fails leaves the
+world at its size, is reported to the listeners, and is tried again after the
+next failure.
 """
 from __future__ import annotations
 
@@ -55,53 +57,55 @@ def _wait(req: MPI.Request) -> None:
 
 
 class _Spawn:
-    """`count` newcomers spawned by their owner on a thread, one MPI job each, merged with it when ready.
+    """`count` newcomers spawned by their owner at a step boundary, one MPI job each, merged when ready.
 
     One job each: PRRTE ends every process of a spawned job when one of them dies (a spawned job is not
-    started recoverable), so a batch spawned as one job would lose every newcomer to one kill.  The thread
-    only spawns.  The owner's main thread, between steps (poll), sees which newcomers are ready and merges
-    with them: a merge on the thread, while the main thread reduced, made the owner's reduction fail with
-    nobody dead (at the instant a newcomer got ready, four times in a 100-failure soak), and once the owner
-    then waited in a repair while its peers waited in the reduction, until a kill freed them 8 s later.
+    started recoverable), so a batch spawned as one job would lose every newcomer to one kill.  Everything
+    runs on the owner's main thread, between steps (poll).  On a second thread, while the main thread
+    reduced and agreed, Open MPI 5.0.11 made the main thread's collectives fail with nobody dead, or its
+    commit agree return another value there than on its peers, at the very instant a spawn or a merge
+    completed on the thread: a 100-failure soak had four such errors and an 8 s stall with the merge there,
+    and with only the spawn there another soak split a commit (the owner repaired, its peers went on) and
+    hung at its 72nd failure.  So the others wait for the spawn calls (about 1 s each); not for the
+    newcomers' start-up, which follows them.
     """
 
     def __init__(self, command: list[str], count: int, slots: list[int]) -> None:
         self.command, self.count, self.slots = command, count, slots
         self.t_start = time.time()
         self.t_spawned = 0.0
-        self._lock = threading.Lock()
-        self._spawned: list[MPI.Intercomm] = []            # by the thread, not yet polled
+        self._left = count                                      # still to spawn
+        self._flag = np.zeros(1, dtype=np.int64)               # what a ready newcomer sends (its content unused)
         self._pending: list[tuple[MPI.Intercomm, MPI.Request]] = []   # ready: the newcomer has imported torch
         self._ready: list[tuple[MPI.Intracomm, float]] = []   # (the owner and one newcomer, when ready)
         self._waiting: list[MPI.Intercomm] = []
         self.errors: list[str] = []
         self.stop = False
-        self._spawning = threading.Event()                     # set when the thread is done
-        threading.Thread(target=self._run, name="ulfmtrain-respawn", daemon=True).start()
 
-    def _run(self) -> None:
-        try:
-            for _ in range(self.count):
-                if self.stop:
-                    break
+    def poll(self) -> None:
+        """The owner, between steps: spawn the batch (about 1 s each), or merge with the ready ones (a few ms each).
+
+        A newcomer says it is ready with a message, not an MPI_Ibarrier: of two Ibarriers on two spawns'
+        intercommunicators, tested from this thread, Open MPI 5.0.11 completed only one.
+        """
+        if self._left and not self.stop:
+            spawned = []
+            while self._left:
+                self._left -= 1
+                timer = _watchdog("spawning a replacement", "the job ends; resume it from a checkpoint (--ckpt-dir, "
+                                  "under `ulfmtrain supervise`)", why="MPI_Comm_spawn did not return")
                 try:
                     inter = MPI.COMM_SELF.Spawn(self.command[0], self.command[1:], maxprocs=1, root=0)
                     inter.Set_errhandler(MPI.ERRORS_RETURN)
                     self.t_spawned = self.t_spawned or time.time()
-                    with self._lock:
-                        self._spawned.append(inter)
+                    spawned.append(inter)
                 except MPI.Exception as exc:
                     self.errors.append(f"MPI_Comm_spawn: {exc.Get_error_string()}")
-        finally:
-            self._spawning.set()
-
-    def poll(self) -> None:
-        """The owner, between steps: merge with the newcomers that are ready (a few ms each)."""
-        with self._lock:
-            spawned, self._spawned = self._spawned, []
-        for inter in spawned:
-            self._waiting.append(inter)
-            self._pending.append((inter, inter.Ibarrier()))
+                timer.cancel()
+            for inter in spawned:
+                self._waiting.append(inter)
+                self._pending.append((inter, inter.Irecv(self._flag, source=0, tag=TAG)))
+            return
         for item in list(self._pending):
             inter, req = item
             try:
@@ -120,8 +124,7 @@ class _Spawn:
 
     def finished(self) -> bool:
         """Every newcomer is ready, or failed."""
-        with self._lock:
-            return self._spawning.is_set() and not self._spawned and not self._pending
+        return not (self._left and not self.stop) and not self._pending
 
     def done(self) -> bool:
         """Nothing ready, and nothing more will be."""
@@ -139,15 +142,13 @@ class _Spawn:
     def dismiss(self) -> None:
         """Send the ready newcomers away (END); revoke what the others wait on, so they leave too."""
         self.stop = True
+        self.poll()           # a newcomer that got ready since the last step waits in its merge: merge, then END
         ready, self._ready = self._ready, []
         for pool, _ in ready:
             try:
                 pool.Ibcast(np.array([END, 0], dtype=np.int64), root=0).Wait()
             except MPI.Exception:
                 _ftcoll.revoke(pool)
-        with self._lock:
-            self._waiting += self._spawned
-            self._spawned = []
         for inter in self._waiting:
             _ftcoll.revoke(inter)
 
@@ -353,7 +354,7 @@ class RespawnComm(SpareComm):
         try:
             parent.Set_errhandler(MPI.ERRORS_RETURN)
             t_ready = time.time()
-            _wait(parent.Ibarrier())
+            _wait(parent.Isend(np.ones(1, dtype=np.int64), dest=0, tag=TAG))
             pool = MPI.Intracomm(parent.Merge(high=True))
             pool.Set_errhandler(MPI.ERRORS_RETURN)
             timer.cancel()         # ready: waiting in the pool for a failure may take any time

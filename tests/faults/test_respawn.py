@@ -83,7 +83,7 @@ def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, di
 @pytest.mark.timeout(2 * BOUND_S)
 def test_the_spawning_rank_dies_and_another_survivor_respawns(mpi, digits_dir, tmp_path):
     """Slot 0, the lowest survivor, spawns after the first kill and is killed while its batch starts."""
-    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 30, "1@30", "0@40")
+    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 45, "1@30", "0@40")
     assert sizes(end["world_history"])[:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
     failed = respawns(logs, 2, "failed")
     assert failed and failed[0]["reason"] == "the spawning rank failed", failed
