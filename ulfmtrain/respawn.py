@@ -20,7 +20,7 @@ survivors hand it the committed state, as they do for spares.  No checkpoint,
 no rollback.  Only the owner's death loses a batch (its newcomers leave, and
 the next lowest survivor spawns again); a spawn or a join that fails leaves the
 world at its size, is reported to the listeners, and is tried again after the
-next failure.
+next failure (after a failed join, not before LEAVE_S).
 """
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 END, JOIN = 0, 1            # what the spawning rank tells its waiting batch: go away, or join now
 NO_BATCH, READY, OK = 1, 2, 4   # commit-agree bits: nobody owns a batch; a newcomer is ready; no failure
 TAG = 1711                  # of the intercommunicator between the survivors and a batch
+# After a failed join, no spawn for this long: the newcomer it sent away, connected to every survivor, leaves
+# within it (its finalize is bounded at 5 s).  A spawn that overlapped its exit deadlocked the spawning rank in
+# Open MPI 5.0.11 (MPI_Comm_spawn, inside the TCP transport's failure path) in 3 runs of 8; 0 of 9 with this.
+LEAVE_S = 6.0
 PRELOAD = ("torch._dynamo", "ulfmtrain.trainer")   # imported before a newcomer says it is ready
 JoinListener = Callable[[dict[str, Any]], None]
 
@@ -166,6 +170,7 @@ class RespawnComm(SpareComm):
         self.command, self.spares_target = command, spares
         self._spawn: _Spawn | None = None
         self._spawn_wanted = False         # after a failure: refill (a failed spawn waits for the next failure)
+        self._spawn_after = 0.0            # no spawn before this time.time() (LEAVE_S)
         self._batch_seen = False           # a batch existed at the last boundary
         self._repaired = False             # a repair happened in the transaction in flight
         self._join_listeners: list[JoinListener] = []
@@ -246,7 +251,7 @@ class RespawnComm(SpareComm):
         empty = self._empty()
         count = len(empty) + self.spares_target - self.spares_left
         # World rank 0, the lowest survivor, spawns alone: it leads the join (waiting spares rank last).
-        if self._spawn_wanted and count > 0 and self.world.Get_rank() == 0:
+        if self._spawn_wanted and count > 0 and self.world.Get_rank() == 0 and time.time() >= self._spawn_after:
             self._spawn_wanted = False
             self._spawn = _Spawn(self.command, count, empty)
             self._notify("spawning", empty, count=count, t_spawn=self._spawn.t_start)
@@ -299,6 +304,7 @@ class RespawnComm(SpareComm):
                 if c is not None:
                     _ftcoll.revoke(c)     # a newcomer waiting on them leaves
             self._notify("failed", [], reason="a process failed during the join")
+            self._spawn_after = time.time() + LEAVE_S
             return
         size_before = self.size
         times = {k: info[k] for k in ("t_spawn", "spawn_s", "ready_s")}
