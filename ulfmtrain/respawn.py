@@ -48,7 +48,7 @@ NO_BATCH, READY, OK = 1, 2, 4   # commit-agree bits: nobody owns a batch; a newc
 TAG = 1711                  # of the intercommunicator between the survivors and a batch
 # After a failed join, no spawn for this long: the newcomer it sent away, connected to every survivor, leaves
 # within it (its finalize is bounded at 5 s).  A spawn that overlapped its exit deadlocked the spawning rank in
-# Open MPI 5.0.11 (MPI_Comm_spawn, inside the TCP transport's failure path) in 3 runs of 8; 0 of 9 with this.
+# Open MPI 5.0.11 (MPI_Comm_spawn, in the TCP transport's failure path): 2 of 6 runs, and once in CI; 0 of 9 now.
 LEAVE_S = 6.0
 PRELOAD = ("torch._dynamo", "ulfmtrain.trainer")   # imported before a newcomer says it is ready
 JoinListener = Callable[[dict[str, Any]], None]
