@@ -78,11 +78,11 @@ class _Spawn:
         self.command, self.count, self.slots = command, count, slots
         self.t_start = time.time()
         self.t_spawned = 0.0
-        self._left = count                                      # still to spawn
+        self._spawned = False                                  # poll has called MPI_Comm_spawn count times
         self._flag = np.zeros(1, dtype=np.int64)               # what a ready newcomer sends (its content unused)
         self._pending: list[tuple[MPI.Intercomm, MPI.Request]] = []   # ready: the newcomer has imported torch
         self._ready: list[tuple[MPI.Intracomm, float]] = []   # (the owner and one newcomer, when ready)
-        self._waiting: list[MPI.Intercomm] = []
+        self._waiting: list[MPI.Intercomm] = []                # not merged (failed ones too): revoked by dismiss
         self.errors: list[str] = []
         self.stop = False
 
@@ -90,12 +90,12 @@ class _Spawn:
         """The owner, between steps: spawn the batch (about 1 s each), or merge with the ready ones (a few ms each).
 
         A newcomer says it is ready with a message, not an MPI_Ibarrier: of two Ibarriers on two spawns'
-        intercommunicators, tested from this thread, Open MPI 5.0.11 completed only one.
+        intercommunicators, tested on the main thread, Open MPI 5.0.11 completed only one.
         """
-        if self._left and not self.stop:
+        if not self._spawned and not self.stop:
+            self._spawned = True
             spawned = []
-            while self._left:
-                self._left -= 1
+            for _ in range(self.count):
                 timer = _watchdog("spawning a replacement", "the job ends; resume it from a checkpoint (--ckpt-dir, "
                                   "under `ulfmtrain supervise`)", why="MPI_Comm_spawn did not return")
                 try:
@@ -128,7 +128,7 @@ class _Spawn:
 
     def finished(self) -> bool:
         """Every newcomer is ready, or failed."""
-        return not (self._left and not self.stop) and not self._pending
+        return (self._spawned or self.stop) and not self._pending
 
     def done(self) -> bool:
         """Nothing ready, and nothing more will be."""

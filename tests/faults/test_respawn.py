@@ -30,7 +30,7 @@ def respawns(logs, slot: int, status: str) -> list[dict]:
 
 def sizes(history: list[int]) -> list[int]:
     """The sizes a world without spares went through: an MPI error with no rank dead (two or three per 30
-    failures in the soaks, while the spawning rank's thread spawns or merges a newcomer) is redone on a
+    failures in older soaks, when the spawning rank still spawned and merged on a thread) is redone on a
     rebuilt communicator of the same size, which adds an entry."""
     return [n for i, n in enumerate(history) if i == 0 or n != history[i - 1]]
 
