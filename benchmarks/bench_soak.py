@@ -10,8 +10,10 @@ INTERVAL seconds on average (uniform in [0.5, 1.5] x INTERVAL), until FAILURES
 ranks have been killed.  A kill is only sent while at least two training ranks
 are alive, so a survivor is always left.  It reports failures survived, steps
 committed, goodput against the reference (the same records trained on, so the
-ratio of the two training times), time lost per failure and where it went
-(lost_parts), whether the replicas
+ratio of the two training times; and while the kills came: the steps committed
+up to one interval after the last kill against the reference's pace), time lost
+per failure and where it went (lost_parts), the same against the soak's own
+pace between failures (lost_at_own_pace, free of the drift), whether the replicas
 stayed identical (the checksum every rank logs after each recovery, and at the
 end) and the audit exact, and whether the world size was back to N before the
 next failure.
@@ -127,9 +129,11 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
             "rc": proc.returncode}
 
 
-def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: float = 0.0) -> dict[str, Any]:
+def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: float = 0.0,
+            interval: float = 0.0) -> dict[str, Any]:
     """What one job's rank logs say: steps, training time, consistency, audit, world restored; with kills, where
-    the time lost went (lost_parts, against a reference step of ref_step_s)."""
+    the time lost went (lost_parts, against a reference step of ref_step_s), and the steps committed while the
+    kills came (from the start to one interval after the last kill)."""
     logs = read_rank_logs(out)
     ends = select(logs, "end")
     starts = select(logs, "start")
@@ -180,6 +184,10 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
         progress=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
     if kills:
         res["lost_s_per_failure_by_part"] = lost_parts(logs, kills, ref_step_s)
+        res["lost_s_per_failure_at_own_pace"] = lost_at_own_pace(logs, kills)
+        t_start, t_end = min(s["t"] for s in starts), kills[-1]["t"] + interval
+        res["while_failing"] = {"window_s": t_end - t_start,
+                                "steps": len({r["step"] for r in select(logs, "step") if r["t"] <= t_end})}
     return res
 
 
@@ -206,6 +214,25 @@ def lost_parts(logs: dict[int, list[dict]], kills: list[dict[str, Any]], ref_ste
     n = max(1, len(kills))
     return {name: float(excess[part == i].sum()) / n
             for i, name in enumerate(("kill_to_spawn", "newcomer_start_up", "between_failures"))}
+
+
+def lost_at_own_pace(logs: dict[int, list[dict]], kills: list[dict[str, Any]]) -> float:
+    """Seconds lost per failure against the soak's own pace: in each interval from a kill to the next, every
+    step's time past the mean step of the interval's last third (by then the world is whole again).
+
+    Free of the drift between a reference run and the soak (this machine's pace moved by up to 54 % within
+    one soak), but blind to a slower steady state (newcomers on TCP), which the goodput ratios count."""
+    first: dict[int, float] = {}
+    for r in select(logs, "step"):
+        first[r["step"]] = min(first.get(r["step"], math.inf), r["t"])
+    t = np.array(sorted(first.values()))
+    lost = 0.0
+    ends = [k["t"] for k in kills[1:]] + [float(t[-1])]
+    for k, end in zip(kills, ends):
+        dt = np.diff(t[(t > k["t"]) & (t <= end)])
+        if dt.size >= 6:
+            lost += float(np.sum(dt - np.mean(dt[-(dt.size // 3):])))
+    return lost / max(1, len(kills))
 
 
 def plot(free: dict, soak: dict, kills: list[dict], path: Path) -> None:
@@ -272,7 +299,7 @@ def main(argv: list[str]) -> int:
     print(f"soak: {epochs} epochs, {args.failures} SIGKILLs, one every {args.interval:g} s on average", flush=True)
     soak_run = run_job(args, data, work / "soak", epochs, args.failures)
     kills = soak_run["kills"]
-    soak = measure(work / "soak", args.ranks, kills, free["train_s"] / free["steps"])
+    soak = measure(work / "soak", args.ranks, kills, free["train_s"] / free["steps"], args.interval)
     reference("free_after", args)
     ok = free.get("ended") and soak.get("ended")
     headline: dict[str, Any] = {"failures_delivered": len(kills), "job_ended": bool(soak.get("ended"))}
@@ -282,11 +309,17 @@ def main(argv: list[str]) -> int:
         if "free_after" in per_epoch:
             per_epoch["free_mean"] = (per_epoch["free"] + per_epoch["free_after"]) / 2
         goodput = {k: v * epochs / soak["train_s"] for k, v in per_epoch.items()}
+        # The same while the kills came: the job trains on after the last one, failure-free.
+        per_step = {k: v * ref_epochs / refs["free"]["steps"] for k, v in per_epoch.items()}
+        window = soak.get("while_failing", {"steps": 0, "window_s": 1.0})
+        while_failing = {k: v * window["steps"] / window["window_s"] for k, v in per_step.items()}
         headline.update(
             failures_survived=len(kills) if soak["consistent"] else 0,
             steps_committed=soak["steps"], goodput_ratio=goodput["free"], goodput_against=goodput,
+            goodput_while_failing=while_failing,
             lost_s_per_failure=(soak["train_s"] - free["train_s"] * epochs / ref_epochs) / max(1, len(kills)),
             lost_s_per_failure_by_part=soak["lost_s_per_failure_by_part"],
+            lost_s_per_failure_at_own_pace=soak["lost_s_per_failure_at_own_pace"],
             recovery_ms_per_failure=soak["recovery_ms"],
             replicas_identical=soak["consistent"] and soak["replicas_identical_after_every_recovery"],
             audit_exact=soak["audit_exact"],

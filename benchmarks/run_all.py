@@ -26,6 +26,7 @@ SCRIPTS = {
     "overhead": "bench_overhead.py",
     "gpu": "bench_gpu.py",          # says so and measures nothing where there is no GPU
     "spawn_link": "bench_spawn_link.py",
+    "startup": "bench_startup.py",
 }
 # The smallest run of each benchmark that still exercises all of its code.
 QUICK_ARGS = {
@@ -36,6 +37,7 @@ QUICK_ARGS = {
                  "--models", "cnn", "--steps", "3", "--step-rounds", "2"],
     "gpu": ["--ranks", "2", "--batch", "16", "--steps", "2", "--rounds", "2"],
     "spawn_link": ["--sizes", "4096", "--reps", "5", "--rounds", "1"],
+    "startup": ["--ranks", "2", "--spawns", "1", "--rounds", "1"],
 }
 
 
@@ -63,6 +65,10 @@ def headline(results: Path, name: str) -> str:
     if name == "spawn_link":
         return (f"{h['bytes']} B allreduce with a spawned process / two ranks of one job: "
                 f"{h['spawned_over_same_job']:.2f} (over TCP as it is: {h['spawned_over_tcp']:.2f})")
+    if name == "startup":
+        return (f"Open MPI's default BTLs / the launcher's: MPI_Init {h['init_s_default_over_launcher']:.1f}x, "
+                f"MPI_Comm_spawn {h['spawn_s_default_over_launcher']:.1f}x, "
+                f"whole job {h['job_s_default_over_launcher']:.1f}x")
     ratios = h["ft_over_mpi_throughput"]
     return ("FT/plain MPI allreduce throughput: " + "; ".join(
         f"{n}: " + ", ".join(f"{b} {r:.3f}" for b, r in rs.items()) for n, rs in ratios.items())

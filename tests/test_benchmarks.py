@@ -123,3 +123,14 @@ def test_bench_spawn_link(tmp_path: Path) -> None:
     row = data["by_n"]["2"]["4096"]
     assert set(row) == {"same_job_sm", "same_job_tcp", "spawned"} and all(v > 0 for v in row.values()), row
     assert data["headline"]["spawned_over_same_job"] == row["spawned"] / row["same_job_sm"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_startup(tmp_path: Path) -> None:
+    data = run_quick("startup", tmp_path, 110)
+    runs = data["by_n"]["2"]
+    assert set(runs) == {"launcher", "default"}
+    assert all(len(r["init_s"]) == 1 and len(r["spawn_s"]) == 1 and r["spawn_s"][0] > 0 for r in runs.values())
+    assert "^ofi" in data["commands"]["launcher"] and "^ofi" not in data["commands"]["default"]
+    ratio = runs["default"]["spawn_s"][0] / runs["launcher"]["spawn_s"][0]
+    assert data["headline"]["spawn_s_default_over_launcher"] == ratio

@@ -39,6 +39,12 @@ def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[
         # han is not fault-tolerant across hosts (open-mpi/ompi #13915), and on one host it takes spawned
         # processes for another node and crashes in mca_coll_han_comm_create (respawn's join, measured here).
         cmd += ["--mca", "coll", "^han"]
+    if not hostfile and not _chooses_btl(mpirun_args):
+        # On one host sm and tcp carry everything.  btl/ofi sleeps 1 s whenever it is closed
+        # (mca_btl_ofi_component_close: "sleep(1)"), and MPI_Init closes it wherever libfabric offers it nothing,
+        # as here: every process started and every MPI_Comm_spawn (respawn, reinit) waited 1 s for nothing.
+        # (On a cluster it may be the network; benchmarks/bench_startup.py measures the two.)
+        cmd += ["--mca", "btl", "^ofi"]
     if hostfile:
         cmd += ["--hostfile", hostfile]
     elif n > cores:
@@ -47,6 +53,12 @@ def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     return cmd + list(mpirun_args)
+
+
+def _chooses_btl(mpirun_args: Sequence[str]) -> bool:
+    """The user chose the BTLs: `--mca btl ...` among mpirun's arguments, or $OMPI_MCA_btl."""
+    pairs = zip(mpirun_args, mpirun_args[1:])
+    return bool(os.environ.get("OMPI_MCA_btl")) or any(a in ("--mca", "-mca") and b == "btl" for a, b in pairs)
 
 
 def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,

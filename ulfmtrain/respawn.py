@@ -2,8 +2,8 @@
 
 Once no spare is left, a failure leaves its slot empty and the survivors train
 on, shrunk.  At the next step boundaries the lowest survivor alone spawns, on
-its main thread, one process (about 1 s each, while its peers wait in the next
-reduction) per empty slot plus one per missing spare,
+its main thread, one process (0.1 s each on one host under `launch`, while its
+peers wait in the next reduction) per empty slot plus one per missing spare,
 each as its own MPI job over MPI_COMM_SELF (PRRTE ends a whole spawned job when
 one of its processes dies), and everyone keeps training while the newcomers
 start.  A newcomer imports torch, says it is ready, and waits (test-and-sleep)
@@ -70,8 +70,8 @@ class _Spawn:
     commit agree return another value there than on its peers, at the very instant a spawn or a merge
     completed on the thread: a 100-failure soak had four such errors and an 8 s stall with the merge there,
     and with only the spawn there another soak split a commit (the owner repaired, its peers went on) and
-    hung at its 72nd failure.  So the others wait for the spawn calls (about 1 s each); not for the
-    newcomers' start-up, which follows them.
+    hung at its 72nd failure.  So the others wait for the spawn calls (0.1 s each; 1.1 s with btl/ofi, see
+    launch.py); not for the newcomers' start-up, which follows them.
     """
 
     def __init__(self, command: list[str], count: int, slots: list[int]) -> None:
@@ -87,7 +87,7 @@ class _Spawn:
         self.stop = False
 
     def poll(self) -> None:
-        """The owner, between steps: spawn the batch (about 1 s each), or merge with the ready ones (a few ms each).
+        """The owner, between steps: spawn the batch (0.1 s each), or merge with the ready ones (a few ms each).
 
         A newcomer says it is ready with a message, not an MPI_Ibarrier: of two Ibarriers on two spawns'
         intercommunicators, tested on the main thread, Open MPI 5.0.11 completed only one.

@@ -38,3 +38,10 @@ def test_twenty_failures_in_one_job(tmp_path):
     # The time lost, split by what the job was doing, adds up to the time lost (both from the rank logs).
     parts = h["lost_s_per_failure_by_part"]
     assert abs(sum(parts.values()) - h["lost_s_per_failure"]) < 0.2 * abs(h["lost_s_per_failure"]) + 0.3, h
+    # While the kills came, the job committed steps; its own pace lost time to them (the start-ups at least).
+    window = data["soak"]["while_failing"]
+    assert 0 < window["steps"] <= h["steps_committed"] and window["window_s"] > 0, window
+    assert set(h["goodput_while_failing"]) == set(h["goodput_against"]), h
+    assert 0 < h["goodput_while_failing"]["free"] < 1.5, h
+    # Against the soak's own pace a failure cannot cost more than the mean time between two of them.
+    assert abs(h["lost_s_per_failure_at_own_pace"]) < window["window_s"] / FAILURES, h

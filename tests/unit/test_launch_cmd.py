@@ -38,3 +38,21 @@ def test_plain_mpi_for_the_restart_baseline():
     cmd = mpirun_command(2, ["train"], cores=8, ft=False)
     assert "--with-ft" not in cmd and cmd[1:3] == ["-np", "2"]
     assert mpirun_prefix(2, cores=8) == mpirun_command(2, [], cores=8)[:-4]
+
+
+def test_one_host_leaves_out_the_btl_that_sleeps_at_start(monkeypatch):
+    # btl/ofi's close sleeps 1 s (Open MPI 5.0.x), and MPI_Init closes it wherever libfabric offers it
+    # nothing: every process started, and every MPI_Comm_spawn, waited 1 s (bench_spawn.py measures it).
+    monkeypatch.delenv("OMPI_MCA_btl", raising=False)
+    cmd = mpirun_command(4, ["train"], cores=2)
+    assert cmd[cmd.index("btl") - 1] == "--mca" and cmd[cmd.index("btl") + 1] == "^ofi"
+    assert mpirun_command(4, ["train"], cores=2, ft=False).count("^ofi") == 1    # the restart baseline too
+
+
+def test_a_btl_choice_of_the_user_is_kept(monkeypatch):
+    monkeypatch.delenv("OMPI_MCA_btl", raising=False)
+    chosen = mpirun_command(2, ["train"], mpirun_args=["--mca", "btl", "tcp,self"], cores=4)
+    assert chosen.count("btl") == 1 and chosen[chosen.index("btl") + 1] == "tcp,self"
+    assert "^ofi" not in mpirun_command(16, ["train"], hostfile="hosts", cores=2)   # a cluster may need ofi
+    monkeypatch.setenv("OMPI_MCA_btl", "self,sm,tcp")
+    assert "^ofi" not in mpirun_command(2, ["train"], cores=4)
