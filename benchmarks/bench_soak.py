@@ -191,16 +191,21 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
     return res
 
 
+def step_times(logs: dict[int, list[dict]]) -> np.ndarray:
+    """When each step was first committed (by its fastest rank), in order."""
+    first: dict[int, float] = {}
+    for r in select(logs, "step"):
+        first[r["step"]] = min(first.get(r["step"], math.inf), r["t"])
+    return np.array(sorted(first.values()))
+
+
 def lost_parts(logs: dict[int, list[dict]], kills: list[dict[str, Any]], ref_step_s: float) -> dict[str, float]:
     """Where the time above the reference's pace went, in seconds per failure: each step's time past the
     reference's mean step, summed by what the job was doing.  From a kill to the start of the spawn that
     refills it: detection, repair, hand-over to the spare.  From a spawn's start to its join: a newcomer
     starting (on one machine its imports take CPU from the training ranks).  The rest: training between
     failures, on a world whose newcomers talk to the others over TCP."""
-    first: dict[int, float] = {}
-    for r in select(logs, "step"):
-        first[r["step"]] = min(first.get(r["step"], math.inf), r["t"])
-    t = np.array(sorted(first.values()))
+    t = step_times(logs)
     excess, at = np.diff(t) - ref_step_s, t[1:]
     respawns = select(logs, "respawn")
     spawns = sorted({r["t_spawn"] for r in respawns if r["status"] == "spawning"})
@@ -222,10 +227,7 @@ def lost_at_own_pace(logs: dict[int, list[dict]], kills: list[dict[str, Any]]) -
 
     Free of the drift between a reference run and the soak (this machine's pace moved by up to 54 % within
     one soak), but blind to a slower steady state (newcomers on TCP), which the goodput ratios count."""
-    first: dict[int, float] = {}
-    for r in select(logs, "step"):
-        first[r["step"]] = min(first.get(r["step"], math.inf), r["t"])
-    t = np.array(sorted(first.values()))
+    t = step_times(logs)
     lost = 0.0
     ends = [k["t"] for k in kills[1:]] + [float(t[-1])]
     for k, end in zip(kills, ends):

@@ -38,7 +38,7 @@ def test_twenty_failures_in_one_job(tmp_path):
     # The time lost, split by what the job was doing, adds up to the time lost (both from the rank logs).
     parts = h["lost_s_per_failure_by_part"]
     assert abs(sum(parts.values()) - h["lost_s_per_failure"]) < 0.2 * abs(h["lost_s_per_failure"]) + 0.3, h
-    # While the kills came, the job committed steps; its own pace lost time to them (the start-ups at least).
+    # While the kills came, the job committed steps.
     window = data["soak"]["while_failing"]
     assert 0 < window["steps"] <= h["steps_committed"] and window["window_s"] > 0, window
     assert set(h["goodput_while_failing"]) == set(h["goodput_against"]), h

@@ -42,7 +42,7 @@ def test_plain_mpi_for_the_restart_baseline():
 
 def test_one_host_leaves_out_the_btl_that_sleeps_at_start(monkeypatch):
     # btl/ofi's close sleeps 1 s (Open MPI 5.0.x), and MPI_Init closes it wherever libfabric offers it
-    # nothing: every process started, and every MPI_Comm_spawn, waited 1 s (bench_spawn.py measures it).
+    # nothing: every process started, and every MPI_Comm_spawn, waited 1 s (bench_startup.py measures it).
     monkeypatch.delenv("OMPI_MCA_btl", raising=False)
     cmd = mpirun_command(4, ["train"], cores=2)
     assert cmd[cmd.index("btl") - 1] == "--mca" and cmd[cmd.index("btl") + 1] == "^ofi"
