@@ -183,11 +183,11 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
         slow_detections=len({r["step"] for r in recs if r["detect_ms"] > SLOW_DETECT_MS}),
         progress=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
     if kills:
-        res["lost_s_per_failure_by_part"] = lost_parts(logs, kills, ref_step_s)
-        res["lost_s_per_failure_at_own_pace"] = lost_at_own_pace(logs, kills)
+        t = step_times(logs)      # once: the rank logs hold millions of step records after a long soak
+        res["lost_s_per_failure_by_part"] = lost_parts(logs, t, kills, ref_step_s)
+        res["lost_s_per_failure_at_own_pace"] = lost_at_own_pace(t, kills)
         t_start, t_end = min(s["t"] for s in starts), kills[-1]["t"] + interval
-        res["while_failing"] = {"window_s": t_end - t_start,
-                                "steps": len({r["step"] for r in select(logs, "step") if r["t"] <= t_end})}
+        res["while_failing"] = {"window_s": t_end - t_start, "steps": int(np.searchsorted(t, t_end, side="right"))}
     return res
 
 
@@ -199,13 +199,13 @@ def step_times(logs: dict[int, list[dict]]) -> np.ndarray:
     return np.array(sorted(first.values()))
 
 
-def lost_parts(logs: dict[int, list[dict]], kills: list[dict[str, Any]], ref_step_s: float) -> dict[str, float]:
+def lost_parts(logs: dict[int, list[dict]], t: np.ndarray, kills: list[dict[str, Any]],
+               ref_step_s: float) -> dict[str, float]:
     """Where the time above the reference's pace went, in seconds per failure: each step's time past the
     reference's mean step, summed by what the job was doing.  From a kill to the start of the spawn that
     refills it: detection, repair, hand-over to the spare.  From a spawn's start to its join: a newcomer
     starting (on one machine its imports take CPU from the training ranks).  The rest: training between
-    failures, on a world whose newcomers talk to the others over TCP."""
-    t = step_times(logs)
+    failures, on a world whose newcomers talk to the others over TCP.  t: step_times(logs)."""
     excess, at = np.diff(t) - ref_step_s, t[1:]
     respawns = select(logs, "respawn")
     spawns = sorted({r["t_spawn"] for r in respawns if r["status"] == "spawning"})
@@ -221,13 +221,13 @@ def lost_parts(logs: dict[int, list[dict]], kills: list[dict[str, Any]], ref_ste
             for i, name in enumerate(("kill_to_spawn", "newcomer_start_up", "between_failures"))}
 
 
-def lost_at_own_pace(logs: dict[int, list[dict]], kills: list[dict[str, Any]]) -> float:
+def lost_at_own_pace(t: np.ndarray, kills: list[dict[str, Any]]) -> float:
     """Seconds lost per failure against the soak's own pace: in each interval from a kill to the next, every
     step's time past the mean step of the interval's last third (by then the world is whole again).
 
     Free of the drift between a reference run and the soak (this machine's pace moved by up to 54 % within
-    one soak), but blind to a slower steady state (newcomers on TCP), which the goodput ratios count."""
-    t = step_times(logs)
+    one soak), but blind to a slower steady state (newcomers on TCP), which the goodput ratios count.
+    t: step_times(logs)."""
     lost = 0.0
     ends = [k["t"] for k in kills[1:]] + [float(t[-1])]
     for k, end in zip(kills, ends):

