@@ -160,6 +160,7 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
     # Every training rank logs each respawn record: count them once.
     joins = {(r["step"], r["t_spawn"]) for r in respawns if r["status"] == "joined"}
     failed = {(r["step"], r["reason"]) for r in respawns if r["status"] == "failed"}
+    newcomers = {r["t_start"]: r.get("forked", False) for r in respawns if r["status"] == "newcomer"}
     recs = select(logs, "recovery")
     # Per recovery, its slowest survivor: detection to the end of the hand-over (the parts demo prints).
     per_step: dict[int, float] = defaultdict(float)
@@ -176,7 +177,8 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
         epochs_audited=len(rows), restored_before_next=sum(restored), restore_s=common.summarize(restore_s),
         spare_takeovers=len({(r["step"], r["size_before"]) for r in recs if r.get("replaced")}),
         shrinks=len({(r["step"], r["size_after"]) for r in recs if r["removed"]}),
-        respawn_joins=len(joins), respawn_failed=len(failed), recovery_ms=common.summarize(list(per_step.values())),
+        respawn_joins=len(joins), respawn_failed=len(failed), newcomers=len(newcomers),
+        newcomers_forked=sum(newcomers.values()), recovery_ms=common.summarize(list(per_step.values())),
         # An MPI error with no rank dead, redone on a rebuilt communicator; a failure that took over a second to
         # be noticed (a kill is noticed in tens of ms: longer means the ranks were stuck when it came).
         errors_with_nobody_dead=len({r["step"] for r in recs if r.get("cause")}),
@@ -186,9 +188,21 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
         t = step_times(logs)      # once: the rank logs hold millions of step records after a long soak
         res["lost_s_per_failure_by_part"] = lost_parts(logs, t, kills, ref_step_s)
         res["lost_s_per_failure_at_own_pace"] = lost_at_own_pace(t, kills)
+        res["stalls"] = stalls(t, kills)
         t_start, t_end = min(s["t"] for s in starts), kills[-1]["t"] + interval
         res["while_failing"] = {"window_s": t_end - t_start, "steps": int(np.searchsorted(t, t_end, side="right"))}
     return res
+
+
+def stalls(t: np.ndarray, kills: list[dict[str, Any]]) -> list[float]:
+    """Seconds from a kill to the next committed step, where over a second: every rank was stuck.
+
+    detect_ms misses such a stall when the failure's error surfaced only with a later event (once, the next
+    kill): the repair that followed then found its error at once.
+    """
+    i = np.searchsorted(t, [k["t"] for k in kills])
+    gaps = np.where(i < len(t), t[np.minimum(i, len(t) - 1)] - [k["t"] for k in kills], math.inf)
+    return [round(float(g), 3) for g in gaps if g > SLOW_DETECT_MS / 1e3]
 
 
 def step_times(logs: dict[int, list[dict]]) -> np.ndarray:
@@ -329,7 +343,8 @@ def main(argv: list[str]) -> int:
             world_restored_before_next_failure=f"{soak['restored_before_next']}/{len(kills)}",
             spare_takeovers=soak["spare_takeovers"], respawn_joins=soak["respawn_joins"],
             respawn_failed=soak["respawn_failed"], shrinks=soak["shrinks"],
-            errors_with_nobody_dead=soak["errors_with_nobody_dead"], slow_detections=soak["slow_detections"])
+            errors_with_nobody_dead=soak["errors_with_nobody_dead"], slow_detections=soak["slow_detections"],
+            stalls=soak["stalls"], newcomers_forked=f"{soak['newcomers_forked']}/{soak['newcomers']}")
     print(json.dumps(headline, indent=1))
     png = args.results / f"{NAME}.png"
     args.results.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,9 @@ its main thread, one process (0.1 s each on one host under `launch`, while its
 peers wait in the next reduction) per empty slot plus one per missing spare,
 each as its own MPI job over MPI_COMM_SELF (PRRTE ends a whole spawned job when
 one of its processes dies), and everyone keeps training while the newcomers
-start.  A newcomer imports torch, says it is ready, and waits (test-and-sleep)
-merged with the spawning rank, which merges between two steps.  Every commit
+start, as forks of the host's fork server (forkserver.py), which imported torch
+at the job's start.  A newcomer, its imports done, says it is ready and waits
+(test-and-sleep) merged with the spawning rank, which merges between two steps.  Every commit
 agree carries three more bits (comm.py `_commit_bits`): "I own a batch", "a
 newcomer is ready", "it succeeded"; only the owner sends zeros, so every rank
 learns the same state at the same step.  At each step boundary where a newcomer
@@ -25,6 +26,7 @@ next failure (after a failed join, not before LEAVE_S).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 import time
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from . import _ftcoll, faults, lifecycle
+from . import _ftcoll, faults, forkserver, lifecycle
 from .comm import _fault_tolerant_dup, require_fault_tolerance, retire
 from .modes import Phase
 from .reinit import _watchdog
@@ -167,7 +169,7 @@ class RespawnComm(SpareComm):
     """
 
     def __init__(self, spares: int, command: list[str]) -> None:
-        self.command, self.spares_target = command, spares
+        self.command, self.spares_target = forkserver.wrap(command), spares
         self._spawn: _Spawn | None = None
         self._spawn_wanted = False         # after a failure: refill (a failed spawn waits for the next failure)
         self._spawn_after = 0.0            # no spawn before this time.time() (LEAVE_S)
@@ -177,6 +179,7 @@ class RespawnComm(SpareComm):
         self.joined: dict[str, Any] | None = None    # a newcomer: what it logs about its join
         parent = MPI.Comm.Get_parent()
         if parent == MPI.COMM_NULL:
+            forkserver.start()
             super().__init__(spares)
         else:
             self._join_as_newcomer(parent)
@@ -389,7 +392,7 @@ class RespawnComm(SpareComm):
             self.takeover = {"slot": self.slot, "root": plan["root"]}
         self.joined = {"status": "newcomer", "slots": [] if self.slot is None else [self.slot],
                        "t_start": t_start, "ready_s": t_ready - t_start, "t_joined": time.time(),
-                       "world": self.size}
+                       "world": self.size, "forked": os.environ.get(forkserver.FORKED_ENV) == "1"}
 
     @staticmethod
     def _leave(timer: threading.Timer | None, why: str) -> SystemExit:

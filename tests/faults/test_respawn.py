@@ -42,12 +42,14 @@ def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi,
     (spawning,) = respawns(logs, 0, "spawning")
     (joined,) = respawns(logs, 0, "joined")
     assert spawning["slots"] == [1] and joined["slots"] == [1] and joined["size_after"] == 4
-    # Training never waited for the spawn: the survivors committed steps, three-wide, until the join.
+    # Training never waited for the newcomer's start: the survivors committed steps, three-wide, until the join
+    # (a few: a fork of the fork server is ready in about 0.1 s).
     shrunk = [r for r in select(logs[0], "step") if spawning["t"] < r["t"] < joined["t"]]
-    assert len(shrunk) > 10 and {r["world"] for r in shrunk} == {3}, (spawning, joined)
+    assert shrunk and {r["world"] for r in shrunk} == {3}, (spawning, joined)
     assert joined["ready_s"] > 0 and joined["join_ms"] < 5000
     (newcomer,) = respawns(logs, 1, "newcomer")
     assert newcomer["slots"] == [1] and select(logs[1], "end")[-1]["steps"] == end["steps"]
+    assert newcomer["forked"], newcomer          # a fork of this host's fork server, not a fresh Python
     # The learning rate followed the world down and back up (to the last bit or so), on the newcomer too, which
     # got the shrunk one: the same lr on every rank.
     lr, lrs = TrainConfig().lr, select(logs[0], "lr")

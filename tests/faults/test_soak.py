@@ -32,6 +32,11 @@ def test_twenty_failures_in_one_job(tmp_path):
     assert h["replicas_identical"] and h["audit_exact"], h
     assert data["soak"]["checked_steps"] > 0                 # checksums compared after the recoveries
     assert h["spare_takeovers"] >= 1 and h["respawn_joins"] >= 1, h
+    # Each newcomer that took a slot or the spare's place logged itself: on one host, every one a fork of the
+    # fork server (and the ones sent away log nothing).
+    forked, newcomers = map(int, h["newcomers_forked"].split("/"))
+    assert 1 <= newcomers <= h["respawn_joins"] and forked == newcomers, h
+    assert all(s > 1 for s in h["stalls"]), h
     restored, delivered = map(int, h["world_restored_before_next_failure"].split("/"))
     assert delivered == FAILURES and restored >= 1, h
     assert 0 < h["goodput_ratio"] < 1.5 and h["steps_committed"] > 0, h

@@ -1,0 +1,154 @@
+"""The fork server and its shim, without MPI: what a spawned newcomer gets, and how each side ends.
+
+One server (ulfmtrain/forkserver.py, as a rank starts it) serves every test; it watches a `sleep` of the
+test's own, as it watches PRRTE's daemon in a job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ulfmtrain import forkserver
+from ulfmtrain.spawn_shim import sockaddr
+
+pytestmark = pytest.mark.timeout(60)
+SHIM = Path(forkserver.__file__).with_name("spawn_shim.py")
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+CHILD = SCRIPTS / "forked_child.py"
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    """The process `pid` ended (and was reaped) within `within` seconds."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def start_server(address: str, watched: int, **kw) -> subprocess.Popen:
+    """The server as a rank starts it, once it listens (in a job the first spawn comes after a failure)."""
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.forkserver", address, str(watched)], **kw)
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            if s.connect_ex(sockaddr(address)) == 0:
+                return proc
+        time.sleep(0.05)
+    raise AssertionError(f"the fork server did not listen at {address} within 30 s")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """(address, watched process, server process); the server has done its imports."""
+    watched = subprocess.Popen(["sleep", "600"])
+    try:
+        address = f"@ulfmtrain-forkserver-test-{os.getpid()}"
+        proc = start_server(address, watched.pid, env={**os.environ, "PYTHONPATH": str(SCRIPTS)})
+        first = shim(address, [sys.executable, "-P", "-m", "forked_child", "exit", "0"], timeout=50)
+        assert first.returncode == 0 and json.loads(first.stdout)["forked"] == "1", first
+        yield address, watched, proc
+    finally:
+        watched.kill()          # the server ends with it
+        watched.wait()
+    proc.wait(timeout=10)
+
+
+def shim(address: str, command: list[str], timeout: float = 20, **kw) -> subprocess.CompletedProcess:
+    """Run the shim as MPI_Comm_spawn would; a shim whose streams stay open fails the test here."""
+    return subprocess.run([sys.executable, "-I", "-S", str(SHIM), address, *command], capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def start_shim(address: str, command: list[str]) -> tuple[subprocess.Popen, dict]:
+    """A shim whose child sleeps, and what the child said of itself."""
+    p = subprocess.Popen([sys.executable, "-I", "-S", str(SHIM), address, *command, "sleep", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return p, json.loads(p.stdout.readline())
+
+
+def test_a_fork_runs_the_module_with_the_shims_streams_environment_and_directory(server, tmp_path):
+    address, _, _ = server
+    got = shim(address, [sys.executable, "-P", "-m", "forked_child", "exit", "3"], cwd=tmp_path,
+               env={**os.environ, "FORKED_CHILD_TEST": "mine"})
+    said = json.loads(got.stdout)
+    assert got.returncode == 3, got
+    assert said["cwd"] == str(tmp_path) and said["args"] == ["exit", "3"] and said["mine"] == "mine", said
+    assert said["forked"] == "1" and said["torch"], said       # torch came imported with the fork
+    assert got.stderr == "", got.stderr
+
+
+def test_a_fork_runs_a_script_too(server):
+    address, _, _ = server
+    got = shim(address, [sys.executable, "-P", str(CHILD), "exit", "0"])
+    assert got.returncode == 0 and json.loads(got.stdout)["forked"] == "1", got
+
+
+def test_the_shim_ends_by_the_signal_that_killed_its_child(server):
+    address, _, _ = server
+    p, said = start_shim(address, [sys.executable, "-P", str(CHILD)])
+    os.kill(said["pid"], signal.SIGKILL)
+    assert p.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_signal_to_the_shim_goes_on_to_its_child(server):
+    address, _, _ = server
+    p, said = start_shim(address, [sys.executable, "-P", str(CHILD)])
+    p.terminate()
+    assert p.wait(timeout=10) == -signal.SIGTERM and gone(said["pid"])
+
+
+def test_a_killed_shim_takes_its_child_with_it(server):
+    address, _, _ = server
+    p, said = start_shim(address, [sys.executable, "-P", str(CHILD)])
+    p.kill()
+    p.wait()
+    assert gone(said["pid"]), said
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-c", "print('from scratch')"],
+                                     ["/bin/sh", "-c", "echo from scratch"]])
+def test_a_command_the_server_does_not_run_starts_from_scratch_and_says_so(server, command):
+    """Refused, the shim execs the command; the server keeps none of its streams (PRRTE would wait for them,
+    and so does this test's capture)."""
+    address, _, _ = server
+    got = shim(address, command)
+    assert got.returncode == 0 and got.stdout == "from scratch\n", got
+    assert got.stderr.startswith("ulfmtrain: warning: the fork server runs only") and got.stderr.count("\n") == 1
+
+
+def test_no_server_on_the_host_starts_from_scratch_and_says_so():
+    got = shim("@ulfmtrain-forkserver-nobody", [sys.executable, "-P", str(CHILD), "exit", "5"])
+    assert got.returncode == 5 and json.loads(got.stdout)["forked"] is None, got
+    assert got.stderr.startswith("ulfmtrain: warning: no fork server reached on this host"), got.stderr
+
+
+def test_disabled_the_spawn_command_is_the_newcomers_own(monkeypatch):
+    command = [sys.executable, "-P", "-m", "ulfmtrain", "train"]
+    assert forkserver.wrap(command)[-len(command):] == command and forkserver.wrap(command)[2:4] == ["-S", str(SHIM)]
+    monkeypatch.setenv(forkserver.ENABLE_ENV, "0")
+    assert forkserver.wrap(command) == command
+
+
+def test_the_server_and_its_children_end_with_the_process_it_watches(tmp_path):
+    watched, address = subprocess.Popen(["sleep", "600"]), f"@ulfmtrain-forkserver-test-end-{os.getpid()}"
+    try:
+        proc = start_server(address, watched.pid)
+        p, said = start_shim(address, [sys.executable, "-P", str(CHILD)])
+    finally:
+        watched.kill()
+        watched.wait()
+    assert proc.wait(timeout=10) == 0 and gone(said["pid"])
+    # The shim ends as killed: in a job, the survivors are told of its process.
+    assert p.wait(timeout=10) == -signal.SIGKILL

@@ -1,0 +1,61 @@
+"""What MPI_Comm_spawn starts for a newcomer: `python -I -S spawn_shim.py ADDRESS PROGRAM ARGS...`.
+
+It hands its arguments, environment (the spawned process's PMIx identity), working directory and standard
+streams to the host's fork server (forkserver.py), which forks the newcomer, and it ends as that child ends:
+by the same signal (Open MPI's ULFM layer is told of a process killed by a signal) or with the same status.
+A signal sent to it (PRRTE's SIGTERM at the end of a job) goes on to the child.  Without a fork server it
+says so in one line and execs PROGRAM.  Standard library only, run as a file without site-packages: it
+starts in a few ms.
+"""
+import json
+import os
+import signal
+import socket
+import sys
+
+ADDRESS_ENV = "ULFMTRAIN_FORKSERVER_AT"    # where a newcomer's own spawns find the fork server
+MAX_MESSAGE = 1 << 20
+
+
+def sockaddr(address: str) -> str:
+    """The socket address of `address`: "@NAME" is NAME in the abstract namespace (a NUL cannot be an argument)."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+def _mirror(status: int) -> None:
+    """End as a child with wait status `status` ended."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)   # not forwarded to a child any more
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def main(address: str, command: list[str]) -> None:
+    os.environ[ADDRESS_ENV] = address
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(sockaddr(address))
+        request = {"command": command, "env": dict(os.environ), "cwd": os.getcwd()}
+        socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
+        reply = json.loads(s.recv(MAX_MESSAGE) or b'{"error": "the fork server closed the connection"}')
+    except OSError as exc:
+        reply = {"error": f"no fork server reached on this host ({exc.strerror or exc})"}
+    why = reply.get("error", "")
+    if why:
+        print(f"ulfmtrain: warning: {why}: the newcomer starts from scratch", file=sys.stderr, flush=True)
+        os.execv(command[0], command)
+    pid = reply["pid"]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda sig, _frame: os.kill(pid, sig))
+    data = s.recv(MAX_MESSAGE)       # the child's wait status (a signal handled here does not end the wait)
+    if not data:
+        # The fork server died, and its children with it (PR_SET_PDEATHSIG): end as killed, so the survivors
+        # are told.
+        _mirror(signal.SIGKILL)      # the wait status of a process killed by SIGKILL is its number
+    _mirror(json.loads(data)["status"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
