@@ -165,7 +165,8 @@ class RespawnComm(SpareComm):
     Args:
         spares: K waiting spares (0: none); the last K ranks of MPI_COMM_WORLD.
         command: the program and arguments of a newcomer (this job, without kills: a newcomer takes a slot
-            whose kill has fired).
+            whose kill has fired); started as a fork of the host's fork server where it can be
+            (`python [-P] (-m MODULE | SCRIPT)` of this interpreter; forkserver.py).
     """
 
     def __init__(self, spares: int, command: list[str]) -> None:
