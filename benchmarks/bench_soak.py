@@ -200,8 +200,9 @@ def stalls(t: np.ndarray, kills: list[dict[str, Any]]) -> list[float]:
     detect_ms misses such a stall when the failure's error surfaced only with a later event (once, the next
     kill): the repair that followed then found its error at once.
     """
-    i = np.searchsorted(t, [k["t"] for k in kills])
-    gaps = np.where(i < len(t), t[np.minimum(i, len(t) - 1)] - [k["t"] for k in kills], math.inf)
+    at = np.array([k["t"] for k in kills])
+    i = np.searchsorted(t, at)
+    gaps = np.where(i < len(t), t[np.minimum(i, len(t) - 1)] - at, math.inf)
     return [round(float(g), 3) for g in gaps if g > SLOW_DETECT_MS / 1e3]
 
 

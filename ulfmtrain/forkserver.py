@@ -58,8 +58,9 @@ def wrap(command: list[str]) -> list[str]:
 
 def start() -> subprocess.Popen[bytes] | None:
     """Start this host's server, once per host (local rank 0 of the launched job), if enabled."""
-    local = os.environ.get("ULFMTRAIN_LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"))
-    if not enabled() or local != "0" or ADDRESS_ENV in os.environ:
+    from .device import local_rank
+
+    if not enabled() or local_rank() != 0 or ADDRESS_ENV in os.environ:
         return None
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_ENV)}
     # Its own session (a kill of this rank must not end it); no standard streams of this rank: PRRTE counts a
@@ -83,8 +84,9 @@ def _program(command: list[str]) -> tuple[str, str, list[str], bool]:
     return "script", rest[0], rest[1:], safe
 
 
-def _become(request: dict, fds: list[int], address: str, server: int) -> None:
-    """In the forked child: take the shim's streams, environment and directory, and run its module."""
+def _become(request: dict, fds: list[int], server: int) -> None:
+    """In the forked child: take the shim's streams, environment (with the server's address, for its own
+    spawns) and directory, and run its module."""
     code: object = 1
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -94,7 +96,7 @@ def _become(request: dict, fds: list[int], address: str, server: int) -> None:
             os.dup2(fd, target)
             os.close(fd)
         os.environ.clear()
-        os.environ.update(request["env"], **{ADDRESS_ENV: address, FORKED_ENV: "1"})
+        os.environ.update(request["env"], **{FORKED_ENV: "1"})
         os.chdir(request["cwd"])
         kind, name, args, safe = _program(request["command"])
         sys.argv = [name, *args]
@@ -167,7 +169,7 @@ def serve(address: str, watch: int) -> None:
             elif key.data == "accept":
                 conn, _ = listener.accept()
                 own = [listener.fileno(), wake_r, wake_w, ended, sel.fileno(), *(c.fileno() for c in shims.values())]
-                pid = _fork_for(conn, error, address, own)
+                pid = _fork_for(conn, error, own)
                 if pid:
                     shims[pid] = conn
                     sel.register(conn, selectors.EVENT_READ, pid)
@@ -198,7 +200,7 @@ def _reap() -> tuple[int, int] | None:
     return (pid, status) if pid else None
 
 
-def _fork_for(conn: socket.socket, error: str, address: str, server_fds: list[int]) -> int:
+def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
     """Fork a child for the shim on `conn` and tell it the pid; 0 when it was refused."""
     _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     if uid != os.getuid():
@@ -228,7 +230,7 @@ def _fork_for(conn: socket.socket, error: str, address: str, server_fds: list[in
         for fd in server_fds:    # closed, not unregistered: the epoll instance is the server's too
             os.close(fd)
         conn.close()
-        _become(request, fds, address, server)
+        _become(request, fds, server)
     for fd in fds:
         os.close(fd)
     try:
