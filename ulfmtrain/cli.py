@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostfile", default=None,
                    help="run each attempt on the hosts that answer a TCP probe (a dead host is left out)")
     p.add_argument("--probe-port", type=int, default=22, help="the port the host probe connects to (ssh's)")
+    p.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
+                   help="kill an attempt whose ranks have not started training after S seconds (a hung launch)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ... --recovery restart --ckpt-dir DIR ...")
 
     p = sub.add_parser("compare", help="the same job under shrink, restart, reinit and respawn: lost time per failure, "
@@ -284,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from . import supervise
             return supervise.main(args.n, _train_job(args.argv), max_attempts=args.max_attempts,
                                   relaunch=args.relaunch, min_ranks=args.min_ranks, timeout=args.timeout,
-                                  mpirun_args=args.mpirun_arg, hostfile=args.hostfile, probe_port=args.probe_port)
+                                  mpirun_args=args.mpirun_arg, hostfile=args.hostfile, probe_port=args.probe_port,
+                                  start_timeout=args.start_timeout)
         if args.command == "audit":
             from .audit import main as audit_main
             return audit_main(args.out)

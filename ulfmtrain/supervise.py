@@ -52,8 +52,18 @@ def _pump(src: Any, dst: Any, notice: list[float]) -> None:
     src.close()
 
 
-def run_attempt(cmd: list[str], timeout: float | None) -> dict[str, Any]:
-    """Run one mpirun; return its exit status and the times it was launched, reported a failure and exited."""
+def _started(run_dir: Path) -> bool:
+    """Whether a rank of the attempt has written its start record (MPI is up, the job began)."""
+    return run_dir.exists() and bool(select(read_rank_logs(run_dir), Event.START))
+
+
+def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = None,
+                start_timeout: float | None = None) -> dict[str, Any]:
+    """Run one mpirun; return its exit status and the times it was launched, reported a failure and exited.
+
+    With start_timeout, an attempt whose ranks wrote no start record (in run_dir) within that many
+    seconds is killed: a launch that hangs, as one does when a host goes down while its daemon starts.
+    """
     t_launch = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                             start_new_session=True)
@@ -62,17 +72,30 @@ def run_attempt(cmd: list[str], timeout: float | None) -> dict[str, Any]:
              threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, notice), daemon=True)]
     for t in pumps:
         t.start()
-    timed_out = False
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)   # mpirun and its ranks: the group this Popen created
-        rc = proc.wait()
+    timed_out = start_timed_out = False
+    watch = run_dir is not None and start_timeout is not None
+    end = t_launch + timeout if timeout is not None else None
+    while True:
+        left = None if end is None else max(0.0, end - time.time())
+        try:
+            rc = proc.wait(timeout=min(0.5, left if left is not None else 0.5) if watch else left)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if watch and run_dir is not None and _started(run_dir):
+            watch = False                     # up: from here only the whole attempt's timeout applies
+        elif watch and start_timeout is not None and time.time() - t_launch >= start_timeout:
+            start_timed_out = True
+        elif end is not None and time.time() >= end:
+            timed_out = True
+        if timed_out or start_timed_out:
+            os.killpg(proc.pid, signal.SIGKILL)   # mpirun and its ranks: the group this Popen created
+            rc = proc.wait()
+            break
     t_exit = time.time()
     for t in pumps:
         t.join(timeout=5)
-    return {"rc": rc, "timed_out": timed_out, "t_launch": t_launch,
+    return {"rc": rc, "timed_out": timed_out, "start_timed_out": start_timed_out, "t_launch": t_launch,
             "t_failure_reported": notice[0] if notice else None, "t_exit": t_exit}
 
 
@@ -103,14 +126,21 @@ def live_hostfile(hostfile: str, path: Path, port: int, timeout: float) -> tuple
 
 def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "same",
               min_ranks: int = 1, timeout: float | None = None, mpirun_args: Sequence[str] = (),
-              hostfile: str | None = None, probe_port: int = 22, probe_timeout: float = 1.0) -> int:
+              hostfile: str | None = None, probe_port: int = 22, probe_timeout: float = 1.0,
+              start_timeout: float | None = 600.0) -> int:
     """Run the train job until it completes, relaunching from the latest checkpoint; return an exit status.
 
     With a hostfile, each attempt runs on the hosts that answer a TCP probe, with
-    as many ranks as they hold (at most n): a host that died is left out.
+    as many ranks as they hold (at most n): a host that died is left out.  An
+    attempt that fails before training starts is an error to fix, and is not
+    relaunched, unless a host it ran on no longer answers: then a host died
+    during the launch, and the next attempt leaves it out.
     """
     if n < 1 or max_attempts < 1 or min_ranks < 1:
         raise SuperviseError("-n, --max-attempts and --min-ranks must be at least 1")
+    if start_timeout is not None and start_timeout <= 0:
+        raise SuperviseError(f"--start-timeout must be positive (got {start_timeout:g}); "
+                             "it bounds how long a launch may take before training starts")
     if job.checkpoint.directory is None:
         raise SuperviseError("supervise relaunches from checkpoints: add --ckpt-dir DIR "
                              "(and --ckpt-every K or --ckpt-epoch) to the train command")
@@ -124,10 +154,11 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
         run_dir = out / f"attempt-{attempt}"
         resume = job.checkpoint.resume if attempt == 1 else has_checkpoint(ckpt)
         pointer = read_pointer(ckpt) if resume else None
-        hosts, size = None, ranks
+        hosts, size, live = None, ranks, []
         if hostfile:
             hosts = str(run_dir / "hostfile")
             slots, dead = live_hostfile(hostfile, Path(hosts), probe_port, probe_timeout)
+            live = [h for h, _, _ in read_hostfile(hosts)]
             if dead:
                 print(f"{PROG}: hosts down, left out: {', '.join(dead)}", file=sys.stderr, flush=True)
             if slots < min_ranks:
@@ -141,7 +172,7 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
         print(f"{PROG}: attempt {attempt}/{max_attempts}: {size} ranks"
               + (f", resuming from {pointer['file']}" if pointer else ", from scratch" if not resume else ""),
               file=sys.stderr, flush=True)
-        res = run_attempt(cmd, timeout)
+        res = run_attempt(cmd, timeout, run_dir, start_timeout)
         logs = read_rank_logs(run_dir) if run_dir.exists() else {}
         fired = sorted({r["spec"] for r in select(logs, Event.KILL)})
         started = bool(select(logs, Event.START))
@@ -160,7 +191,14 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
                   f"({attempt - 1} relaunch{'es' if attempt != 2 else ''})", file=sys.stderr, flush=True)
             return 0
         why = ("timed out" if res["timed_out"] else
+               f"no rank started within --start-timeout {start_timeout:g} s" if res["start_timed_out"] else
                f"kill {', '.join(fired)}" if fired else f"mpirun exit status {res['rc']}")
+        lost = [h for h in live if not host_is_up(h, probe_port, probe_timeout)] if not started else []
+        if lost:                          # not the job's fault: a host died while it launched
+            print(f"{PROG}: attempt {attempt} failed before training started ({why}); host(s) "
+                  f"{', '.join(lost)} went down during its launch"
+                  + (": relaunching without them" if attempt < max_attempts else ""), file=sys.stderr, flush=True)
+            continue
         if not started and not fired:
             print(f"{PROG}: error: attempt {attempt} failed before training started ({why}): "
                   "fix the error above; not relaunching", file=sys.stderr, flush=True)
