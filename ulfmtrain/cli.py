@@ -77,6 +77,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         "the spares)")
     p.add_argument("--finalize-timeout", type=float, default=5.0,
                    help="seconds MPI_Finalize may take before the rank exits anyway")
+    p.add_argument("--step-timeout", type=float, default=600.0, metavar="S",
+                   help="a rank that commits no step for S seconds ends the job with one line and status 3 "
+                        "(a peer hung, or died unreported), rather than wait for good")
     g = p.add_argument_group("recovery mode and checkpoints (see docs/recovery-modes.md)")
     g.add_argument("--recovery", choices=choices(Recovery), default=Recovery.SHRINK.value,
                    help="shrink: survivors train on (ULFM, default); restart: a failure ends the job and "

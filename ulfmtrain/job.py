@@ -7,6 +7,7 @@ edits a train command line by hand.  Light to import: no torch, no MPI.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ class TrainConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     overlap: bool = False        # reduce each bucket while backward runs (bit-identical to not overlapping)
     progress: bool = True
+    step_timeout: float = 600.0  # a rank that commits no step for this long ends the job (stall.py)
 
 
 @dataclass
@@ -82,7 +84,7 @@ class TrainJob:
                              weight_decay=ns.weight_decay, lr_scaling=LrScaling(ns.lr_scaling), seed=ns.seed,
                              reload=Reload(ns.reload),
                              data_policy=DataPolicy(ns.data_policy), audit=ns.audit, bucket_bytes=ns.bucket_bytes,
-                             overlap=ns.overlap, progress=not ns.no_progress)
+                             overlap=ns.overlap, progress=not ns.no_progress, step_timeout=ns.step_timeout)
         ckpt = CheckpointOptions(path(ns.ckpt_dir), ns.ckpt_every, ns.ckpt_epoch, CheckpointStrategy(ns.ckpt_strategy),
                                  ns.ckpt_inflight, ns.ckpt_keep, ns.resume)
         return cls(path(ns.data), path(ns.train_file), path(ns.test_file), ns.model, config, list(ns.kill),
@@ -101,7 +103,8 @@ class TrainJob:
                  "--momentum", repr(c.momentum), "--weight-decay", repr(c.weight_decay),
                  "--lr-scaling", c.lr_scaling.value, "--seed", str(c.seed),
                  "--reload", c.reload.value, "--data-policy", c.data_policy.value,
-                 "--bucket-bytes", str(c.bucket_bytes), "--out", str(self.out),
+                 "--bucket-bytes", str(c.bucket_bytes), "--step-timeout", repr(c.step_timeout),
+                 "--out", str(self.out),
                  "--finalize-timeout", repr(self.finalize_timeout), "--recovery", self.recovery.value,
                  "--ckpt-every", str(k.every), "--ckpt-strategy", k.strategy.value,
                  "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep), "--spares", str(self.spares),
@@ -124,6 +127,9 @@ class TrainJob:
     # -- checks and what follows from the flags --------------------------------
     def validate(self) -> None:
         """Raise UsageError naming the problem and the fix for flags that do not go together."""
+        if not (math.isfinite(self.config.step_timeout) and self.config.step_timeout > 0):
+            raise UsageError(f"--step-timeout {self.config.step_timeout:g}: give a positive number of seconds "
+                             "(how long a rank may wait for the next step before the job ends; default 600)")
         for spec in self.kill_specs:
             kill = parse_kill(spec)
             if kill.phase == Phase.CHECKPOINT and kill.rank != 0:

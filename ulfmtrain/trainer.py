@@ -27,6 +27,7 @@ from .faults import Kill
 from .job import TrainConfig
 from .modes import DataPolicy, LrScaling, Phase
 from .optim import FTSGD, DistributedOptimizer
+from .stall import StepWatchdog
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -257,6 +258,16 @@ class Trainer:
         self.log("start", host=socket.gethostname(), pid=os.getpid(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets), device=str(self.device))
+        watchdog = StepWatchdog(self.cfg.step_timeout,
+                                lambda: f"rank {self.comm.world_rank} (after step {self.opt.step_count - 1})")
+        try:
+            self._train(watchdog)
+            return self._finish(t_start)      # its final check is a collective too: still watched
+        finally:
+            watchdog.close()
+
+    def _train(self, watchdog: StepWatchdog) -> None:
+        """The steps, to the last epoch."""
         try:
             while self.sampler.epoch < self.cfg.epochs:
                 t0, seen = time.perf_counter(), len(self.comm.events)
@@ -271,6 +282,7 @@ class Trainer:
                     self._log_events()
                     rec["checksum"] = self.opt.checksum()
                 self.log("step", **rec)
+                watchdog.pet()
                 if self.opt.param_groups[0]["lr"] != self._lr:    # the first step's, and after a shrink or join
                     self._lr = self.opt.param_groups[0]["lr"]
                     self.log("lr", step=rec["step"], lr=self._lr, world=self.comm.size)
@@ -284,7 +296,6 @@ class Trainer:
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()   # what is in flight must be durable before the job can end
-        return self._finish(t_start)
 
     def _finish(self, t_start: float) -> dict[str, Any]:
         if self._bar is not None:

@@ -1,0 +1,48 @@
+"""The step watchdog: a rank that commits no step for --step-timeout seconds ends the job, saying why.
+
+Open MPI tells the survivors of every process death it sees.  A peer it does
+not see (a rank frozen by its host, or, rarely, a death reported to nobody)
+leaves every rank waiting in a collective for good.  As torch.distributed's
+collective timeout does, a rank that has committed no step for that long
+writes one line and exits with status 3: the job ends instead of hanging, and
+`ulfmtrain supervise` can relaunch it from a checkpoint.  The thread runs while
+the rank waits inside MPI: the fault path's calls release the GIL.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+STALL_EXIT_CODE = 3      # a hang, as the MPI_Init and spawn bounds
+
+
+class StepWatchdog:
+    """Ends the process (one line on stderr, status 3) once `pet` has not been called for `timeout` seconds."""
+
+    def __init__(self, timeout: float, where: Callable[[], str]) -> None:
+        self.timeout, self._where = timeout, where
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ulfmtrain-step-watchdog", daemon=True)
+        self._thread.start()
+
+    def pet(self) -> None:
+        """A step was committed."""
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            idle = time.monotonic() - self._last
+            if idle >= self.timeout:
+                print(f"ulfmtrain: error: {self._where()} committed no step for {idle:.0f} s (--step-timeout "
+                      f"{self.timeout:g}): a peer hung, or died without Open MPI reporting it; the job ends. "
+                      "Resume it from a checkpoint (--ckpt-dir, under `ulfmtrain supervise`), or raise "
+                      "--step-timeout if one step can take that long", file=sys.stderr, flush=True)
+                os._exit(STALL_EXIT_CODE)
