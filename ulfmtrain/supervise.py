@@ -77,8 +77,10 @@ def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = No
     end = t_launch + timeout if timeout is not None else None
     while True:
         left = None if end is None else max(0.0, end - time.time())
+        if watch:                             # look for the start record twice a second
+            left = 0.5 if left is None else min(0.5, left)
         try:
-            rc = proc.wait(timeout=min(0.5, left if left is not None else 0.5) if watch else left)
+            rc = proc.wait(timeout=left)
             break
         except subprocess.TimeoutExpired:
             pass
