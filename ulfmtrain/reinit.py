@@ -16,9 +16,7 @@ that neither succeeds nor fails is ended by a watchdog.
 """
 from __future__ import annotations
 
-import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +26,7 @@ from mpi4py import MPI
 from . import _ftcoll
 from .comm import FaultTolerantComm
 from .faults import Kill, parse_kill
+from .stall import Watchdog
 
 if TYPE_CHECKING:
     from .job import TrainJob
@@ -81,16 +80,10 @@ def spawn_command(job: TrainJob) -> list[str]:
 
 
 def _watchdog(what: str, fix: str = "use --recovery restart under `ulfmtrain supervise`",
-              why: str = "MPI_Comm_spawn under ULFM can hang on Open MPI 5.0.x") -> threading.Timer:
-    def hung() -> None:
-        print(f"ulfmtrain: error: {what} did not finish in {SPAWN_TIMEOUT_S:.0f} s ({why}): {fix}",
-              file=sys.stderr, flush=True)
-        os._exit(3)
-
-    t = threading.Timer(SPAWN_TIMEOUT_S, hung)
-    t.daemon = True
-    t.start()
-    return t
+              why: str = "MPI_Comm_spawn under ULFM can hang on Open MPI 5.0.x") -> Watchdog:
+    """A bound on one spawn or join: close() it once the call returned."""
+    return Watchdog(SPAWN_TIMEOUT_S, lambda _: f"ulfmtrain: error: {what} did not finish in "
+                                               f"{SPAWN_TIMEOUT_S:.0f} s ({why}): {fix}")
 
 
 def _world(merged: MPI.Intracomm, slot: int, target: int, history: list[int]) -> ReinitComm:
@@ -137,7 +130,7 @@ def rebuild_world(g: GlobalRestart, old: ReinitComm, job: TrainJob) -> tuple[Rei
                       "history": history, "info": info}, root=0)
     info["t_merged"] = time.time()
     comm = _world(merged, old.world_rank, old.target, history)
-    timer.cancel()
+    timer.close()
     info.update(t_world=time.time(), size_after=comm.size)
     return comm, info
 
@@ -154,7 +147,7 @@ def join_world() -> ReinitComm:
     slot = plan["slots"][merged.Get_rank() - plan["survivors"]]
     info = dict(plan["info"], t_merged=time.time())
     comm = _world(merged, slot, plan["target"], plan["history"])
-    timer.cancel()
+    timer.close()
     comm.replacement = True
     comm.joined = dict(info, t_world=time.time(), size_after=comm.size, replacement=True)
     return comm

@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -41,6 +40,7 @@ from .comm import _fault_tolerant_dup, require_fault_tolerance, retire
 from .modes import Phase
 from .reinit import _watchdog
 from .spares import WAIT_POLL_S, SpareComm
+from .stall import Watchdog
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -107,7 +107,7 @@ class _Spawn:
                     spawned.append(inter)
                 except MPI.Exception as exc:
                     self.errors.append(f"MPI_Comm_spawn: {exc.Get_error_string()}")
-                timer.cancel()
+                timer.close()
             for inter in spawned:
                 self._waiting.append(inter)
                 self._pending.append((inter, inter.Irecv(self._flag, source=0, tag=TAG)))
@@ -292,7 +292,7 @@ class RespawnComm(SpareComm):
                 retire(merged)
             except MPI.Exception:
                 ok = 0
-            timer.cancel()
+            timer.close()
             # Uniform among the survivors again before the new world is used.
             flag, status = _ftcoll.agree(self.world, ok)
         if flag and status == _ftcoll.OK and world is not None:
@@ -367,7 +367,7 @@ class RespawnComm(SpareComm):
             _wait(parent.Isend(np.ones(1, dtype=np.int64), dest=0, tag=TAG))
             pool = MPI.Intracomm(parent.Merge(high=True))
             pool.Set_errhandler(MPI.ERRORS_RETURN)
-            timer.cancel()         # ready: waiting in the pool for a failure may take any time
+            timer.close()         # ready: waiting in the pool for a failure may take any time
             _wait(pool.Ibcast(code, root=0))
             if code[0] != JOIN:
                 raise self._leave(None, "")
@@ -387,7 +387,7 @@ class RespawnComm(SpareComm):
         self.slots = info["slots"]
         self._setup(MPI.Intracomm(MPI.COMM_NULL), -1, [])
         plan = self._take_world(world, held)
-        timer.cancel()
+        timer.close()
         self.world_history = info["history"] + [self.size]
         if self.slot is not None:
             self.takeover = {"slot": self.slot, "root": plan["root"]}
@@ -396,10 +396,10 @@ class RespawnComm(SpareComm):
                        "world": self.size, "forked": os.environ.get(forkserver.FORKED_ENV) == "1"}
 
     @staticmethod
-    def _leave(timer: threading.Timer | None, why: str) -> SystemExit:
+    def _leave(timer: Watchdog | None, why: str) -> SystemExit:
         """A newcomer that is not needed exits (0) through the bounded finalize."""
         if timer is not None:
-            timer.cancel()
+            timer.close()
         if why:
             print(f"ulfmtrain: warning: a respawned process leaves: {why}; the survivors train on",
                   file=sys.stderr, flush=True)

@@ -6,7 +6,8 @@ leaves every rank waiting in a collective for good.  As torch.distributed's
 collective timeout does, a rank that has committed no step for that long
 writes one line and exits with status 3: the job ends instead of hanging, and
 `ulfmtrain supervise` can relaunch it from a checkpoint.  The thread runs while
-the rank waits inside MPI: the fault path's calls release the GIL.
+the rank waits inside MPI: the fault path's calls release the GIL.  The same
+watchdog, never petted, bounds a spawn or a join (reinit.py, respawn.py).
 """
 from __future__ import annotations
 
@@ -16,21 +17,27 @@ import threading
 import time
 from collections.abc import Callable
 
-STALL_EXIT_CODE = 3      # a hang, as the MPI_Init and spawn bounds
+from .lifecycle import INIT_HANG_EXIT_CODE
+
+# The status of every bound the job ends itself at: MPI_Init, a spawn or join, a step.
+STALL_EXIT_CODE = INIT_HANG_EXIT_CODE
 
 
-class StepWatchdog:
-    """Ends the process (one line on stderr, status 3) once `pet` has not been called for `timeout` seconds."""
+class Watchdog:
+    """Ends the process, with one line on stderr and status 3, once `pet` has not been called for `timeout` s.
 
-    def __init__(self, timeout: float, where: Callable[[], str]) -> None:
-        self.timeout, self._where = timeout, where
+    line(idle) gives the line; a watchdog that is never petted bounds one wait (reinit.py, respawn.py).
+    """
+
+    def __init__(self, timeout: float, line: Callable[[float], str]) -> None:
+        self.timeout, self._line = timeout, line
         self._last = time.monotonic()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="ulfmtrain-step-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="ulfmtrain-watchdog", daemon=True)
         self._thread.start()
 
     def pet(self) -> None:
-        """A step was committed."""
+        """Progress: the bound starts again."""
         self._last = time.monotonic()
 
     def close(self) -> None:
@@ -41,8 +48,13 @@ class StepWatchdog:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             idle = time.monotonic() - self._last
             if idle >= self.timeout:
-                print(f"ulfmtrain: error: {self._where()} committed no step for {idle:.0f} s (--step-timeout "
-                      f"{self.timeout:g}): a peer hung, or died without Open MPI reporting it; the job ends. "
-                      "Resume it from a checkpoint (--ckpt-dir, under `ulfmtrain supervise`), or raise "
-                      "--step-timeout if one step can take that long", file=sys.stderr, flush=True)
+                print(self._line(idle), file=sys.stderr, flush=True)
                 os._exit(STALL_EXIT_CODE)
+
+
+def step_watchdog(timeout: float, where: Callable[[], str]) -> Watchdog:
+    """The training loop's watchdog (pet it at each committed step); where() names the rank and its step."""
+    return Watchdog(timeout, lambda idle: (
+        f"ulfmtrain: error: {where()} committed no step for {idle:.0f} s (--step-timeout {timeout:g}): a peer "
+        "hung, or died without Open MPI reporting it; the job ends. Resume it from a checkpoint (--ckpt-dir, "
+        "under `ulfmtrain supervise`), or raise --step-timeout if one step can take that long"))

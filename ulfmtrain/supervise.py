@@ -54,7 +54,7 @@ def _pump(src: Any, dst: Any, notice: list[float]) -> None:
 
 def _started(run_dir: Path) -> bool:
     """Whether a rank of the attempt has written its start record (MPI is up, the job began)."""
-    return run_dir.exists() and bool(select(read_rank_logs(run_dir), Event.START))
+    return bool(select(read_rank_logs(run_dir), Event.START))
 
 
 def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = None,
@@ -73,20 +73,22 @@ def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = No
     for t in pumps:
         t.start()
     timed_out = start_timed_out = False
-    watch = run_dir is not None and start_timeout is not None
     end = t_launch + timeout if timeout is not None else None
+    # Until a start record appears: where to look for it, and by when.
+    watching = run_dir if start_timeout is not None else None
+    start_by = t_launch + (start_timeout or 0.0)
     while True:
         left = None if end is None else max(0.0, end - time.time())
-        if watch:                             # look for the start record twice a second
+        if watching is not None:              # look for the start record twice a second
             left = 0.5 if left is None else min(0.5, left)
         try:
             rc = proc.wait(timeout=left)
             break
         except subprocess.TimeoutExpired:
             pass
-        if watch and run_dir is not None and _started(run_dir):
-            watch = False                     # up: from here only the whole attempt's timeout applies
-        elif watch and start_timeout is not None and time.time() - t_launch >= start_timeout:
+        if watching is not None and _started(watching):
+            watching = None                   # up: from here only the whole attempt's timeout applies
+        elif watching is not None and time.time() >= start_by:
             start_timed_out = True
         elif end is not None and time.time() >= end:
             timed_out = True
@@ -112,18 +114,19 @@ def host_is_up(host: str, port: int = 22, timeout: float = 1.0) -> bool:
         return False
 
 
-def live_hostfile(hostfile: str, path: Path, port: int, timeout: float) -> tuple[int, list[str]]:
-    """Probe the hostfile's hosts; write the live ones to path; return their slots and the dead hosts."""
-    live, dead, slots = [], [], 0
+def live_hostfile(hostfile: str, path: Path, port: int, timeout: float) -> tuple[int, list[str], list[str]]:
+    """Probe the hostfile's hosts; write the live ones to path; return their slots, the live and the dead hosts."""
+    lines, live, dead, slots = [], [], [], 0
     for host, n, line in read_hostfile(hostfile):
         if host_is_up(host, port, timeout):
-            live.append(line)
+            lines.append(line)
+            live.append(host)
             slots += n
         else:
             dead.append(host)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(x + "\n" for x in live))
-    return slots, dead
+    path.write_text("".join(x + "\n" for x in lines))
+    return slots, live, dead
 
 
 def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "same",
@@ -156,11 +159,11 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
         run_dir = out / f"attempt-{attempt}"
         resume = job.checkpoint.resume if attempt == 1 else has_checkpoint(ckpt)
         pointer = read_pointer(ckpt) if resume else None
-        hosts, size, live = None, ranks, []
+        hosts, size = None, ranks
+        live: list[str] = []              # the hosts this attempt runs on (with a hostfile)
         if hostfile:
             hosts = str(run_dir / "hostfile")
-            slots, dead = live_hostfile(hostfile, Path(hosts), probe_port, probe_timeout)
-            live = [h for h, _, _ in read_hostfile(hosts)]
+            slots, live, dead = live_hostfile(hostfile, Path(hosts), probe_port, probe_timeout)
             if dead:
                 print(f"{PROG}: hosts down, left out: {', '.join(dead)}", file=sys.stderr, flush=True)
             if slots < min_ranks:

@@ -27,7 +27,7 @@ from .faults import Kill
 from .job import TrainConfig
 from .modes import DataPolicy, LrScaling, Phase
 from .optim import FTSGD, DistributedOptimizer
-from .stall import StepWatchdog
+from .stall import Watchdog, step_watchdog
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -258,15 +258,15 @@ class Trainer:
         self.log("start", host=socket.gethostname(), pid=os.getpid(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets), device=str(self.device))
-        watchdog = StepWatchdog(self.cfg.step_timeout,
-                                lambda: f"rank {self.comm.world_rank} (after step {self.opt.step_count - 1})")
+        watchdog = step_watchdog(self.cfg.step_timeout,
+                                 lambda: f"rank {self.comm.world_rank} (after step {self.opt.step_count - 1})")
         try:
             self._train(watchdog)
             return self._finish(t_start)      # its final check is a collective too: still watched
         finally:
             watchdog.close()
 
-    def _train(self, watchdog: StepWatchdog) -> None:
+    def _train(self, watchdog: Watchdog) -> None:
         """The steps, to the last epoch."""
         try:
             while self.sampler.epoch < self.cfg.epochs:

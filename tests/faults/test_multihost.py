@@ -113,12 +113,17 @@ def power_cut(ns: str, silent: bool = False) -> list[str]:
     return pids
 
 
+def daemon_args(agent: Path) -> list[str]:
+    """mpirun's arguments for a daemon on every namespace host: started through the agent, TCP on the bridge."""
+    return ["--prtemca", "plm_ssh_agent", str(agent), "--mca", "btl", "tcp,self",
+            "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24", "--prtemca", "oob_tcp_if_include", f"{SUBNET}.0/24"]
+
+
 def test_losing_every_rank_of_a_host(two_hosts, digits_dir, tmp_path):
     hosts, agent, hostfile = two_hosts
     first = next(iter(hosts))
     out = tmp_path / "out"
-    extra = ["--prtemca", "plm_ssh_agent", str(agent), "--mca", "btl", "tcp,self",
-             "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24", "--prtemca", "oob_tcp_if_include", f"{SUBNET}.0/24"]
+    extra = daemon_args(agent)
     launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", "4", "--hostfile", str(hostfile),
               *[f"--mpirun-arg={a}" for a in extra], "--",
               "train", "--data", str(digits_dir), "--out", str(out), "--epochs", "3", "--model", "mlp",
@@ -191,8 +196,7 @@ def start_supervise(hosts: dict, hostfile: Path, agent: Path, out: Path, ckpt: P
                     *sup: str, epochs: int = 6) -> subprocess.Popen:
     """`supervise -n 4 --hostfile` (a daemon on every host), started on the first host, shrink in place."""
     head = next(iter(hosts))
-    extra = ["--prtemca", "plm_ssh_agent", str(agent), "--mca", "btl", "tcp,self",
-             "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24", "--prtemca", "oob_tcp_if_include", f"{SUBNET}.0/24"]
+    extra = daemon_args(agent)
     cmd = [sys.executable, "-P", "-m", "ulfmtrain", "supervise", "-n", "4", "--hostfile", str(hostfile),
            "--probe-port", "9", "--max-attempts", "3", "--timeout", "120", *sup,
            *[f"--mpirun-arg={x}" for x in extra],
@@ -242,7 +246,6 @@ def test_supervise_drops_a_dead_host_and_resumes(two_hosts, digits_dir, tmp_path
           f"{first_step - second['t_launch']:.2f} s, {lost} steps redone")
 
 
-
 def test_supervise_relaunches_without_a_host_lost_during_the_launch(two_hosts, digits_dir, tmp_path):
     """Host b loses power while the first attempt's daemons start: the launch hangs, --start-timeout ends
     it, the supervisor finds b gone, says so, and relaunches on host a instead of giving up."""
@@ -268,6 +271,7 @@ def test_supervise_relaunches_without_a_host_lost_during_the_launch(two_hosts, d
     how = "--start-timeout" if first["start_timed_out"] else f"mpirun exit status {first['rc']}"
     print(f"\nsupervise, host {b} lost during the launch: attempt 1 ended by {how} "
           f"{first['t_exit'] - first['t_launch']:.1f} s after it began; attempt 2 on {a} completed")
+
 
 # -- the agent launch: hosts lost, cut off and frozen -------------------------
 KEEPALIVE = 3.0      # the bound the tests launch with: short, yet no false alarm on a loaded 2-core machine

@@ -11,8 +11,8 @@ from ulfmtrain.stall import STALL_EXIT_CODE
 
 PROGRAM = """
 import time
-from ulfmtrain.stall import StepWatchdog
-w = StepWatchdog({timeout}, lambda: "rank 7 (after step 41)")
+from ulfmtrain.stall import step_watchdog
+w = step_watchdog({timeout}, lambda: "rank 7 (after step 41)")
 for _ in range({pets}):
     time.sleep(0.1)
     w.pet()

@@ -30,7 +30,7 @@ def test_an_attempt_that_started_is_left_to_the_whole_attempt_timeout(tmp_path):
 
 def test_a_start_timeout_that_is_not_positive_is_refused(tmp_path):
     job = _train_job(["train", "--data", str(tmp_path), "--out", str(tmp_path / "out"),
-                              "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5"])
+                      "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5"])
     with pytest.raises(SuperviseError, match="--start-timeout must be positive"):
         supervise(2, job, start_timeout=0)
     assert not (tmp_path / "out").exists()
