@@ -175,7 +175,9 @@ def serve(address: str, watch: int) -> None:
                     sel.register(conn, selectors.EVENT_READ, pid)
                 else:
                     conn.close()
-            else:                    # the shim died (or spoke out of turn): its child goes too
+            elif key.data in shims:  # the shim died (or spoke out of turn): its child goes too
+                # (Not when this batch reaped the child already: its pid is free, and a kill would end the
+                # server, or whatever process takes the pid next.)
                 os.kill(key.data, signal.SIGKILL)
                 done(key.data, None)
 
