@@ -37,9 +37,9 @@ def gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
-def start_server(address: str, watched: int, **kw) -> subprocess.Popen:
+def start_server(address: str, watched: int, module: str = "ulfmtrain.forkserver", **kw) -> subprocess.Popen:
     """The server as a rank starts it, once it listens (in a job the first spawn comes after a failure)."""
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.forkserver", address, str(watched)], **kw)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", module, address, str(watched)], **kw)
     end = time.monotonic() + 30
     while time.monotonic() < end:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
@@ -152,3 +152,26 @@ def test_the_server_and_its_children_end_with_the_process_it_watches(tmp_path):
     assert proc.wait(timeout=10) == 0 and gone(said["pid"])
     # The shim ends as killed: in a job, the survivors are told of its process.
     assert p.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_shim_and_its_child_killed_at_once_leave_the_server_serving():
+    """Both deaths in one batch of events, the child's reaped first: the shim's event that follows must not
+    kill the freed pid (it ended the server, and with it every newcomer of the host)."""
+    watched, address = subprocess.Popen(["sleep", "600"]), f"@ulfmtrain-forkserver-test-batch-{os.getpid()}"
+    try:
+        proc = start_server(address, watched.pid, module="batching_forkserver",
+                            env={**os.environ, "PYTHONPATH": str(SCRIPTS)}, stderr=subprocess.PIPE, text=True)
+        p, said = start_shim(address, [sys.executable, "-P", str(CHILD)])
+        os.kill(said["pid"], signal.SIGKILL)
+        p.kill()
+        p.wait()
+        assert gone(said["pid"]), said
+        time.sleep(1)             # the server's batch (0.3 s) is handled
+        assert proc.poll() is None, proc.stderr.read()
+        got = shim(address, [sys.executable, "-P", "-m", "forked_child", "exit", "0"],
+                   env={**os.environ, "PYTHONPATH": str(SCRIPTS)})
+        assert got.returncode == 0 and json.loads(got.stdout)["forked"] == "1" and got.stderr == "", got
+    finally:
+        watched.kill()
+        watched.wait()
+    proc.wait(timeout=10)
