@@ -37,6 +37,11 @@ def gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
+def with_scripts() -> dict[str, str]:
+    """This environment, with tests/scripts importable (forked_child, batching_forkserver)."""
+    return {**os.environ, "PYTHONPATH": str(SCRIPTS)}
+
+
 def start_server(address: str, watched: int, module: str = "ulfmtrain.forkserver", **kw) -> subprocess.Popen:
     """The server as a rank starts it, once it listens (in a job the first spawn comes after a failure)."""
     proc = subprocess.Popen([sys.executable, "-P", "-m", module, address, str(watched)], **kw)
@@ -55,7 +60,7 @@ def server():
     watched = subprocess.Popen(["sleep", "600"])
     try:
         address = f"@ulfmtrain-forkserver-test-{os.getpid()}"
-        proc = start_server(address, watched.pid, env={**os.environ, "PYTHONPATH": str(SCRIPTS)})
+        proc = start_server(address, watched.pid, env=with_scripts())
         first = shim(address, [sys.executable, "-P", "-m", "forked_child", "exit", "0"], timeout=50)
         assert first.returncode == 0 and json.loads(first.stdout)["forked"] == "1", first
         yield address, watched, proc
@@ -160,7 +165,7 @@ def test_a_shim_and_its_child_killed_at_once_leave_the_server_serving():
     watched, address = subprocess.Popen(["sleep", "600"]), f"@ulfmtrain-forkserver-test-batch-{os.getpid()}"
     try:
         proc = start_server(address, watched.pid, module="batching_forkserver",
-                            env={**os.environ, "PYTHONPATH": str(SCRIPTS)}, stderr=subprocess.PIPE, text=True)
+                            env=with_scripts(), stderr=subprocess.PIPE, text=True)
         p, said = start_shim(address, [sys.executable, "-P", str(CHILD)])
         os.kill(said["pid"], signal.SIGKILL)
         p.kill()
@@ -169,7 +174,7 @@ def test_a_shim_and_its_child_killed_at_once_leave_the_server_serving():
         time.sleep(1)             # the server's batch (0.3 s) is handled
         assert proc.poll() is None, proc.stderr.read()
         got = shim(address, [sys.executable, "-P", "-m", "forked_child", "exit", "0"],
-                   env={**os.environ, "PYTHONPATH": str(SCRIPTS)})
+                   env=with_scripts())
         assert got.returncode == 0 and json.loads(got.stdout)["forked"] == "1" and got.stderr == "", got
     finally:
         watched.kill()
