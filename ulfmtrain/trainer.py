@@ -254,7 +254,7 @@ class Trainer:
             if self._broadcast:
                 self.opt.broadcast_state()
         if self.checkpointer is not None:
-            self.checkpointer.begin(self)
+            self.checkpointer.begin(self, joining=takeover is not None)
         self.log("start", host=socket.gethostname(), pid=os.getpid(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets), device=str(self.device))

@@ -74,6 +74,25 @@ def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_di
 
 
 @pytest.mark.timeout(2 * BOUND_S)
+@pytest.mark.parametrize("spares", [0, 1])
+def test_checkpoints_go_on_after_a_newcomer_or_a_spare_takes_a_slot(mpi, digits_dir, tmp_path, spares):
+    """With --ckpt-dir, the process that takes slot 1 (a respawned one, or the spare) joins the survivors'
+    checkpoints instead of starting a run of its own: it hung there, alone in the directory check of a new run."""
+    from ulfmtrain.checkpoint.format import load_latest
+
+    ckpt = tmp_path / "ckpt"
+    argv = ["train", "--data", str(digits_dir), "--spares", str(spares), "--epochs", "6", *TRAIN,
+            "--ckpt-dir", str(ckpt), "--step-timeout", "60", "--kill", "1@30"]
+    ends, logs = mpi.train_slots(3 + spares, argv, tmp_path / "run", 6, BOUND_S, [0, 1, 2])
+    end = ends[0]
+    assert end["world_history"][-1] == 3, end
+    mine = logs[1][max(i for i, r in enumerate(logs[1]) if r["event"] == "kill"):]   # after slot 1's kill
+    saves = [r["step"] for r in select(mine, "checkpoint")]
+    assert saves and saves == [r["step"] for r in select(logs[0], "checkpoint") if r["step"] >= saves[0]], saves
+    assert load_latest(ckpt, warn=pytest.fail).step == end["steps"]     # the last epoch's, after the takeover
+
+
+@pytest.mark.timeout(2 * BOUND_S)
 def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, digits_dir, tmp_path):
     end, logs = train(mpi, digits_dir, tmp_path, 3, 1, 30, "1@15", "2@25")
     assert end["world_history"][:3] == [3, 3, 2] and end["world_history"][-1] == 3, end

@@ -211,9 +211,16 @@ class Checkpointer:
                           t_done=r.t_done, strategy=self.strategy, pruned=r.pruned)
 
     # -- the trainer's hooks ---------------------------------------------
-    def begin(self, state: TrainingState) -> bool:
-        """At the start of fit(): restore (and return True), or write the step-0 checkpoint (and return False)."""
+    def begin(self, state: TrainingState, joining: bool = False) -> bool:
+        """At the start of fit(): restore (and return True), or write the step-0 checkpoint (and return False).
+
+        joining: this process takes a slot of a running job (a spare, or a respawned process) with the
+        survivors' live state; it joins their saves from the next one (the start's are collectives it would
+        run alone).
+        """
         self._state = state
+        if joining:
+            return False
         if self.resume:
             self._restore()
             return True
