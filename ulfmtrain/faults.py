@@ -124,7 +124,7 @@ class FaultInjector:
         kill = self._mine.get((step, phase))
         if phase == "final":      # there is one final check, whatever its step
             kill = next((k for (_, p), k in self._mine.items() if p == "final"), None)
-        elif phase in ("join", "handover"):    # they happen at steps no schedule can know
+        elif phase in ("join", "merge", "handover"):    # they happen at steps no schedule can know
             kill = next((k for (s, p), k in self._mine.items() if p == phase and step >= s), None)
         if kill is not None and kill.kills:
             self._die(kill)

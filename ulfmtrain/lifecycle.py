@@ -33,19 +33,24 @@ def _check_timeout(what: str, timeout: Any) -> None:
         raise ValueError(f"{what} timeout must be a positive number of seconds, got {timeout!r}")
 
 
-def init_timeout(environ: Mapping[str, str] = os.environ) -> float:
-    """The MPI_Init bound in seconds: $ULFMTRAIN_INIT_TIMEOUT, or 60 when it is unset or empty."""
-    raw = environ.get(INIT_TIMEOUT_ENV, "").strip()
+def env_seconds(name: str, default: float, environ: Mapping[str, str] = os.environ) -> float:
+    """A bound in seconds from $name, or `default` when it is unset or empty."""
+    raw = environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_INIT_TIMEOUT
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{INIT_TIMEOUT_ENV}={raw!r} is not a positive number of seconds "
-                         f"(unset it for the default, {DEFAULT_INIT_TIMEOUT:g})")
+        raise ValueError(f"{name}={raw!r} is not a positive number of seconds "
+                         f"(unset it for the default, {default:g})")
     return value
+
+
+def init_timeout(environ: Mapping[str, str] = os.environ) -> float:
+    """The MPI_Init bound in seconds: $ULFMTRAIN_INIT_TIMEOUT, or 60 when it is unset or empty."""
+    return env_seconds(INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT, environ)
 
 
 def under_mpirun(environ: Mapping[str, str] = os.environ) -> bool:

@@ -110,6 +110,7 @@ class Phase(StrEnum):
     CHECKPOINT = "checkpoint"  # rank 0, half-way through writing the checkpoint of STEP
     FINAL = "final"            # before the final consistency check (any STEP)
     JOIN = "join"              # in the first join of a respawned process at or after STEP, before the merge
+    MERGE = "merge"            # the same join, once the survivors agreed to merge: Open MPI 5.0.x never returns
     HANDOVER = "handover"      # the sender of the first hand-over to a spare or newcomer at or after STEP
 
 
@@ -195,6 +196,9 @@ def run(job: TrainJob) -> int:
             # Every check before a spare starts waiting: bad input stops every rank alike.
             kills = parse_kills(job.kill_specs, comm.size, job.spares)
             job.validate()
+            if job.replacement is Replace.RESPAWN or job.recovery is Recovery.REINIT:
+                from .reinit import spawn_timeout
+                spawn_timeout()          # a bad $ULFMTRAIN_SPAWN_TIMEOUT stops here, not at the first spawn
             job.checkpointer()           # its own checks, before any rank trains
             train_path, _ = job.dataset_paths()
             with DatasetFile(train_path) as ds:   # header, size and shape checks, same on every rank

@@ -26,11 +26,13 @@ from mpi4py import MPI
 from . import _ftcoll
 from .comm import FaultTolerantComm
 from .faults import Kill, parse_kill
+from .lifecycle import env_seconds
 from .stall import Watchdog
 
 if TYPE_CHECKING:
     from .job import TrainJob
 
+SPAWN_TIMEOUT_ENV = "ULFMTRAIN_SPAWN_TIMEOUT"
 SPAWN_TIMEOUT_S = 60.0   # a spawn takes 1-10 s here; one that has not finished by then will not
 
 
@@ -79,11 +81,16 @@ def spawn_command(job: TrainJob) -> list[str]:
     return [sys.executable, *flags, "-m", "ulfmtrain", *job.to_argv()]
 
 
+def spawn_timeout() -> float:
+    """The bound on one spawn or join in seconds: $ULFMTRAIN_SPAWN_TIMEOUT, or 60."""
+    return env_seconds(SPAWN_TIMEOUT_ENV, SPAWN_TIMEOUT_S)
+
+
 def _watchdog(what: str, fix: str = "use --recovery restart under `ulfmtrain supervise`",
               why: str = "MPI_Comm_spawn under ULFM can hang on Open MPI 5.0.x") -> Watchdog:
     """A bound on one spawn or join: close() it once the call returned."""
-    return Watchdog(SPAWN_TIMEOUT_S, lambda _: f"ulfmtrain: error: {what} did not finish in "
-                                               f"{SPAWN_TIMEOUT_S:.0f} s ({why}): {fix}")
+    bound = spawn_timeout()
+    return Watchdog(bound, lambda _: f"ulfmtrain: error: {what} did not finish in {bound:g} s ({why}): {fix}")
 
 
 def _world(merged: MPI.Intracomm, slot: int, target: int, history: list[int]) -> ReinitComm:

@@ -177,6 +177,10 @@ class RespawnComm(SpareComm):
         self._batch_seen = False           # a batch existed at the last boundary
         self._repaired = False             # a repair happened in the transaction in flight
         self._join_listeners: list[JoinListener] = []
+        # Called at the boundary before a join (the trainer: a durable checkpoint after that step's update), so a
+        # job that a death inside the merge ends resumes at most a step back; the join waits one boundary for it.
+        self.before_join: Callable[[], None] | None = None
+        self._saved_for_join = False
         self.joined: dict[str, Any] | None = None    # a newcomer: what it logs about its join
         parent = MPI.Comm.Get_parent()
         if parent == MPI.COMM_NULL:
@@ -222,6 +226,7 @@ class RespawnComm(SpareComm):
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
         super()._repair(what, committed, t_start, t_error, agree_ms)
         self._repaired = self._spawn_wanted = True
+        self._saved_for_join = False
 
     def _boundary(self) -> None:
         """After a committed step: join a ready batch, or start one (every decision here is uniform)."""
@@ -244,7 +249,11 @@ class RespawnComm(SpareComm):
             elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
                 # (A waiting spare would not take part: a newcomer joins once none is left.)  One newcomer
                 # per boundary; the next one, if any, at the next.
-                self._batch_seen = False
+                if self.before_join is not None and not self._saved_for_join:
+                    self._saved_for_join = True
+                    self.before_join()
+                    return
+                self._batch_seen = self._saved_for_join = False
                 self._join(s)
                 if s is not None and s.done():
                     self._spawn = None
@@ -281,6 +290,7 @@ class RespawnComm(SpareComm):
         # is alive (uniform), and bound the merge itself, which leaves a window of about 16 ms.
         flag, status = _ftcoll.agree(self.world, ok)
         if flag and status == _ftcoll.OK and inter is not None:
+            faults.point(self.step, Phase.MERGE)
             timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint "
                               "(--ckpt-dir, under `ulfmtrain supervise`)", why="a process died inside "
                               "MPI_Intercomm_merge, and Open MPI 5.0.x does not return from that")
@@ -371,7 +381,8 @@ class RespawnComm(SpareComm):
             _wait(pool.Ibcast(code, root=0))
             if code[0] != JOIN:
                 raise self._leave(None, "")
-            timer = _watchdog("joining the survivors", "the survivors train on without this process")
+            timer = _watchdog("joining the survivors", "the survivors train on without this process",
+                              why="a process died inside the join, and Open MPI 5.0.x does not return from that")
             MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
             inter = MPI.COMM_WORLD.Create_intercomm(0, pool, 0, TAG)
             merged = MPI.Intracomm(inter.Merge(high=True))
@@ -424,5 +435,7 @@ def attach(trainer: Trainer) -> None:
         trainer.log(Event.RESPAWN, **rec)
 
     comm.add_join_listener(on_record)
+    if trainer.checkpointer is not None:
+        comm.before_join = trainer.checkpointer.request
     if comm.joined:
         trainer.log(Event.RESPAWN, **comm.joined)

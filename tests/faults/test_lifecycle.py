@@ -264,3 +264,16 @@ def test_peer_dead_program_without_finalize_exits_within_the_bound(tmp_path: Pat
     assert proc.stderr.count("MPI_Finalize did not complete") == len(hang_ends), why
     print(f"\nsurvivors exited {[round(status[r][1] - got[r]['t'], 2) for r in got if r in status]} s after "
           f"their last write, statuses {[status.get(r, (None,))[0] for r in got]}, mpirun {proc.returncode}")
+
+
+def test_a_bad_spawn_timeout_stops_a_respawn_job_at_its_start(mpi, digits_dir, tmp_path) -> None:
+    """$ULFMTRAIN_SPAWN_TIMEOUT bounds every spawn and join: a bad value is one line before training, not an
+    error at the first failure."""
+    from ulfmtrain.launch import mpirun_command
+
+    cmd = mpirun_command(2, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--epochs", "1",
+                             "--no-progress", "--replace", "respawn"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=mpi.root,
+                          env={**os.environ, "ULFMTRAIN_SPAWN_TIMEOUT": "later"})
+    assert "ulfmtrain: error: ULFMTRAIN_SPAWN_TIMEOUT='later' is not a positive number of seconds" in proc.stderr
+    assert proc.returncode != 0 and not list(tmp_path.glob("rank*.jsonl"))

@@ -3,11 +3,14 @@ with the survivors' live state, while the survivors keep training; the world siz
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import select
+from ulfmtrain.events import read_rank_logs, select
 from ulfmtrain.job import TrainConfig
 from ulfmtrain.respawn import LEAVE_S
 
@@ -133,6 +136,33 @@ def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, d
     assert all(row.exact and row.finished for row in audit_logs(logs))
     # Nothing was lost: the survivors train on through the failed join and a later spawn joins.
     assert sorted(s for r in respawns(logs, 3, "joined") for s in r["slots"]) == sorted({1, victim})
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_death_inside_the_merge_ends_the_job_and_supervise_resumes_from_the_checkpoint_before_the_join(
+        mpi, digits_dir, tmp_path):
+    """Slot 2 dies once the survivors agreed to merge: Open MPI 5.0.x never returns from that merge, so its bound
+    ($ULFMTRAIN_SPAWN_TIMEOUT) ends the job with one line; supervise resumes it from the checkpoint written at the
+    boundary before the join, and no step that was updated is redone."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(digits_dir), "--out", str(out), "--epochs", "40", *TRAIN, "--recovery", "shrink",
+            "--ckpt-dir", str(out / "ckpt"), "--kill", "1@30", "--kill", "2@30:merge"]
+    cmd = [sys.executable, "-P", "-m", "ulfmtrain", "supervise", "-n", "4", "--timeout", str(BOUND_S), "--", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * BOUND_S - 10, cwd=mpi.root,
+                          env={**os.environ, "ULFMTRAIN_SPAWN_TIMEOUT": "5"})
+    diag = proc.stderr[-3000:]
+    assert proc.returncode == 0, diag
+    assert "ulfmtrain: error: joining a respawned process did not finish in 5 s" in proc.stderr, diag
+    first = read_rank_logs(out / "attempt-1")
+    assert [k["phase"] for k in select(first[2], "kill")] == ["merge"]
+    spawned = respawns(first, 0, "spawning")[-1]["step"]
+    saved = select(first[0], "checkpoint")[-1]["step"]
+    updated = max(r["step"] for r in select(first[0], "step"))     # the last step whose update was applied
+    assert spawned < saved == updated + 1, (spawned, saved, updated)
+    second = read_rank_logs(out / "attempt-2")
+    assert [r["step"] for r in select(second[0], "resume")] == [saved]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["attempts"] == 2 and summary["consistent"] and summary["world_history"] == [4], summary
 
 
 @pytest.mark.timeout(2 * BOUND_S)

@@ -166,6 +166,7 @@ class Checkpointer:
         self._warn_out = warn
         self._state: TrainingState | None = None    # set by begin()
         self._writer: OverlappedWriter | None = None
+        self._requested = False
         self.saves = 0
 
     # -- plumbing --------------------------------------------------------
@@ -254,8 +255,15 @@ class Checkpointer:
         """At a step boundary: save if K steps have passed or an epoch ended (the same on every rank)."""
         step = state.step
         due = (self.every > 0 and step % self.every == 0) or (self.epoch and state.epoch_ended)
-        if due:
+        if due or self._requested:
             self._save()
+        if self._requested:
+            self._requested = False
+            self.close()       # durable before what asked for it goes on
+
+    def request(self) -> None:
+        """Save at the next step boundary, durably, whatever the cadence (respawn asks before every join)."""
+        self._requested = True
 
     def close(self) -> None:
         """Wait for the checkpoints in flight (training's end, or before a rollback)."""
