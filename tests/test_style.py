@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ruff_is_clean():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
     assert ruff, "ruff is missing: it comes with the test extra (pip install 'ulfmtrain[test]')"
-    proc = subprocess.run([ruff, "check", "ulfmtrain", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([ruff, "check", "ulfmtrain", "tests", "benchmarks", "scripts"], cwd=ROOT, capture_output=True,
                           text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 

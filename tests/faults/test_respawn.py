@@ -177,3 +177,21 @@ def test_respawn_in_a_loop_of_your_own(mpi, tmp_path):
     assert sizes(got[0]["history"]) == [3, 2, 3] and got[1]["joined"] and not got[0]["joined"], got
     assert got[0]["samples"] == 20 * 1200, got[0]       # every record once per epoch, through shrink and join
     assert len({g["lr"] for g in got.values()}) == 1 and got[0]["lr"] == pytest.approx(0.05, rel=1e-12), got
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("step", ["intercomm", "merge"])
+def test_open_mpi_returns_from_a_death_in_intercomm_create_and_not_in_merge(mpi, step):
+    """Why a death inside the merge ends the job (scripts/repro_merge_loop.py, mpi4py alone): a death during
+    MPI_Intercomm_create returns an error on every survivor; one during MPI_Intercomm_merge returns on none.  When
+    an Open MPI release fixes the merge, this fails, and respawn can survive that death in place."""
+    proc = mpi.script(4, mpi.root / "scripts" / "repro_merge_loop.py", [], timeout=60,
+                      env={"REPRO_STEP": step, "REPRO_GIVE_UP_S": "8"})
+    out = proc.stdout + proc.stderr
+    survivors = [f"rank {r}" for r in (0, 1, 3)]
+    if step == "intercomm":
+        assert all(f"{who}: MPI_Intercomm_create failed" in out for who in survivors), out[-3000:]
+    else:
+        assert all(f"{who}: MPI_Intercomm_create returned" in out for who in survivors), out[-3000:]
+        assert "MPI_Intercomm_merge returned" not in out and "MPI_Intercomm_merge failed" not in out, out[-3000:]
+        assert "NBC_Progress: an error 75" in out and "Timeout (0:00:08)!" in out, out[-3000:]
