@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import write_json
-from .checkpoint.format import has_checkpoint, read_pointer
+from .checkpoint.format import claim, has_checkpoint, read_pointer
 from .events import Event, read_rank_logs, select
 from .faults import Kill, parse_kills
 from .job import TrainJob
@@ -174,6 +174,11 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
         kills = [k for k in kills if k.rank < size]
         av = job.replace(out=run_dir, kill_specs=[str(k) for k in kills], checkpoint={"resume": resume}).to_argv()
         cmd = mpirun_command(size, av, hostfile=hosts, mpirun_args=mpirun_args, ft=job.recovery.fault_tolerant)
+        try:
+            claim(ckpt)                   # a rank of the attempt before that outlived its mpirun writes no more
+        except OSError as exc:
+            raise SuperviseError(f"checkpoint directory '{ckpt}' cannot be written ({exc.strerror}): "
+                                 "pass a writable --ckpt-dir") from None
         print(f"{PROG}: attempt {attempt}/{max_attempts}: {size} ranks"
               + (f", resuming from {pointer['file']}" if pointer else ", from scratch" if not resume else ""),
               file=sys.stderr, flush=True)

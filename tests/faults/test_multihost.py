@@ -237,7 +237,10 @@ def test_supervise_drops_a_dead_host_and_resumes(two_hosts, digits_dir, tmp_path
     logs = read_rank_logs(out / "attempt-2")
     assert {next(x for x in recs if x["event"] == "start")["host"] for recs in logs.values()} == {a}
     resume = next(x for x in logs[0] if x["event"] == "resume")
-    assert resume["step"] >= 40 and resume["ckpt_world"] == 4 and resume["world"] == 2
+    # Mostly step 40 or 60 at world 4; once (CI), rank 0 outlived mpirun by 2 s, trained on alone (world 1) and
+    # checkpointed until supervise claimed the directory for attempt 2 (format.claim).
+    written = [x["step"] for x in read_rank_logs(first)[0] if x["event"] == "checkpoint_written"]
+    assert resume["step"] >= 40 and resume["step"] in written and resume["world"] == 2, (resume, written)
     assert json.loads((out / "summary.json").read_text())["epochs"] == 6
     first_step = next(x for x in logs[0] if x["event"] == "step")["t"]
     lost = max(x["step"] for x in read_rank_logs(first)[0] if x["event"] == "step") + 1 - resume["step"]

@@ -476,3 +476,27 @@ def test_flags_build_a_checkpointer() -> None:
 
 def test_checkpoint_kill_phase_parses() -> None:
     assert str(parse_kill("0@40:checkpoint")) == "0@40:checkpoint"
+
+
+def test_a_rank_of_an_earlier_supervise_attempt_writes_no_more(tmp_path: Path) -> None:
+    """A rank can outlive its mpirun (a host lost: seconds of teardown) and go on checkpointing while supervise
+    relaunches: once the next attempt claimed the directory, its writes are refused and the pointer stays."""
+    from ulfmtrain.checkpoint.format import claim, read_owner
+
+    assert claim(tmp_path) == 1 and read_owner(tmp_path) == 1
+    tr, warned = FakeTrainer(), Warnings()
+    ck = Checkpointer(tmp_path, every=2, warn=warned)
+    ck.begin(tr)                                          # attempt 1: step 0 written
+    tr.train_step(), tr.train_step()
+    ck.after_step(tr)                                     # step 2 written
+    assert claim(tmp_path) == 2                           # supervise relaunches
+    tr.train_step(), tr.train_step()
+    ck.after_step(tr)
+    assert warned == ["checkpoint of step 4 was not written (attempt 2 of `ulfmtrain supervise` writes there now, "
+                      f"not this one (1)); the latest good one stays '{tmp_path / 'ckpt-000002.pt'}'"]
+    assert load_latest(tmp_path).step == 2 and [s for s, _ in list_checkpoints(tmp_path)] == [2, 0]
+    fresh, tr2 = Checkpointer(tmp_path, every=2, resume=True), FakeTrainer()    # attempt 2 resumes and writes
+    assert fresh.begin(tr2) is True and tr2.step == 2
+    tr2.train_step(), tr2.train_step()
+    fresh.after_step(tr2)
+    assert load_latest(tmp_path).step == 4

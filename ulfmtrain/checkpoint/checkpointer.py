@@ -23,6 +23,7 @@ from .format import (
     load_latest,
     model_signature,
     prune,
+    read_owner,
     read_pointer,
     remove_stale_temporaries,
     stderr_warn,
@@ -167,6 +168,7 @@ class Checkpointer:
         self._state: TrainingState | None = None    # set by begin()
         self._writer: OverlappedWriter | None = None
         self._requested = False
+        self._owner: int | None = None   # the supervise attempt this job is (read_owner at begin)
         self.saves = 0
 
     # -- plumbing --------------------------------------------------------
@@ -191,6 +193,11 @@ class Checkpointer:
     def _write(self, snap: Snapshot) -> WriteResult:
         """Write one snapshot durably and prune old ones (rank 0; main thread or writer thread)."""
         t0 = time.perf_counter()
+        owner = read_owner(self.directory)
+        if owner != self._owner:
+            return WriteResult(snap.step, None, 0.0, snap.nbytes, time.time(),
+                               error=f"attempt {owner} of `ulfmtrain supervise` writes there now, not this "
+                                     f"one ({self._owner})")
         try:
             path = write_checkpoint(self.directory, snap, fault_point=faults.point)
             pruned = prune(self.directory, snap.step, self.keep)
@@ -220,6 +227,7 @@ class Checkpointer:
         run alone).
         """
         self._state = state
+        self._owner = read_owner(self.directory)
         if joining:
             return False
         if self.resume:

@@ -52,6 +52,7 @@ MAGIC = b"ULFMCKPT"
 FORMAT = "ulfmtrain-checkpoint"
 FORMAT_VERSION = 1
 LATEST = "latest"
+OWNER = "owner"     # the number of the supervise attempt that may write here (claim)
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 _TMP_PREFIX = ".tmp-"
 
@@ -243,6 +244,28 @@ def read_pointer(directory: str | Path) -> dict[str, Any] | None:
         return d if isinstance(d, dict) and isinstance(d.get("file"), str) else None
     except (OSError, ValueError):
         return None
+
+
+def read_owner(directory: str | Path) -> int | None:
+    """The attempt that owns directory (claim), or None when no supervisor claimed it."""
+    try:
+        return int((Path(directory) / OWNER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def claim(directory: str | Path) -> int:
+    """Make the next attempt the directory's only writer, and return its number (supervise, before a launch).
+
+    A rank of an earlier attempt can outlive its mpirun (when a host is lost, the teardown takes seconds) and go
+    on checkpointing while the next attempt reads the directory: its writer sees the newer number and stops.
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    number = (read_owner(d) or 0) + 1
+    with atomic_file(d / OWNER, "w") as f:
+        f.write(str(number))
+    return number
 
 
 def has_checkpoint(directory: str | Path) -> bool:
