@@ -68,12 +68,12 @@ def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _run(cmd: list[str], timeout: float, env: dict | None) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float, env: dict | None, what: str = "mpirun") -> subprocess.CompletedProcess:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})}, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpirun did not finish within {timeout} s (a hung collective?): {' '.join(cmd)}\n"
+        pytest.fail(f"{what} did not finish within {timeout} s (a hung collective?): {' '.join(cmd)}\n"
                     f"{exc.stdout}\n{exc.stderr}")
 
 
@@ -87,6 +87,13 @@ def run_script(n: int, script: Path, args: list[str], timeout: float,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a Python script (not the CLI) on n ranks under mpirun --with-ft ulfm."""
     return _run([*mpirun_prefix(n), sys.executable, "-P", str(script), *args], timeout, env)
+
+
+def run_supervise(n: int, argv: list[str], *sup: str, timeout: float,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `ulfmtrain supervise -n N SUP -- ARGV`; a hang fails the test."""
+    cmd = [sys.executable, "-P", "-m", "ulfmtrain", "supervise", "-n", str(n), *sup, "--", *argv]
+    return _run(cmd, timeout, env, "supervise")
 
 
 def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: float,
@@ -112,4 +119,5 @@ def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: fl
 def mpi():
     """The helpers above, for tests (importlib mode keeps conftest out of reach of imports)."""
     return type("Mpi", (), {"run": staticmethod(run_mpi), "script": staticmethod(run_script),
-                            "train_slots": staticmethod(train_slots), "root": ROOT})
+                            "train_slots": staticmethod(train_slots), "supervise": staticmethod(run_supervise),
+                            "root": ROOT})

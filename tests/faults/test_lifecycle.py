@@ -269,11 +269,7 @@ def test_peer_dead_program_without_finalize_exits_within_the_bound(tmp_path: Pat
 def test_a_bad_spawn_timeout_stops_a_respawn_job_at_its_start(mpi, digits_dir, tmp_path) -> None:
     """$ULFMTRAIN_SPAWN_TIMEOUT bounds every spawn and join: a bad value is one line before training, not an
     error at the first failure."""
-    from ulfmtrain.launch import mpirun_command
-
-    cmd = mpirun_command(2, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--epochs", "1",
-                             "--no-progress", "--replace", "respawn"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=mpi.root,
-                          env={**os.environ, "ULFMTRAIN_SPAWN_TIMEOUT": "later"})
+    proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--epochs", "1",
+                       "--no-progress", "--replace", "respawn"], 60, env={"ULFMTRAIN_SPAWN_TIMEOUT": "later"})
     assert "ulfmtrain: error: ULFMTRAIN_SPAWN_TIMEOUT='later' is not a positive number of seconds" in proc.stderr
     assert proc.returncode != 0 and not list(tmp_path.glob("rank*.jsonl"))

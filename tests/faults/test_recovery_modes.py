@@ -25,14 +25,8 @@ def train_argv(data: Path, out: Path, *extra: str, ckpt: Path | None = None, rec
     return argv + ["--ckpt-dir", str(ckpt or out / "ckpt")] + list(extra)
 
 
-def supervise(root: Path, n: int, argv: list[str], *sup: str,
-              timeout: float = 2 * RUN_S) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-P", "-m", "ulfmtrain", "supervise", "-n", str(n), "--timeout", str(RUN_S), *sup, "--",
-           *argv]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"supervise did not finish within {timeout} s: {exc.stderr}")
+def supervise(mpi, n: int, argv: list[str], *sup: str) -> subprocess.CompletedProcess:
+    return mpi.supervise(n, argv, "--timeout", str(RUN_S), *sup, timeout=2 * RUN_S)
 
 
 def diag(proc: subprocess.CompletedProcess) -> str:
@@ -66,7 +60,7 @@ def test_kill_inside_the_checkpoint_write_leaves_latest_loadable(mpi, digits_dir
     assert not (ckpt / "ckpt-000020.pt").exists()
 
     # The supervisor resumes from it and finishes; the half-written file is cleaned up.
-    proc = supervise(mpi.root, RANKS, train_argv(digits_dir, tmp_path / "again", "--resume", ckpt=ckpt))
+    proc = supervise(mpi, RANKS, train_argv(digits_dir, tmp_path / "again", "--resume", ckpt=ckpt))
     assert proc.returncode == 0, diag(proc)
     assert "resuming from ckpt-000010.pt" in proc.stderr
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["steps"] == EPOCHS * 23
@@ -77,7 +71,7 @@ def test_kill_inside_the_checkpoint_write_leaves_latest_loadable(mpi, digits_dir
 def test_supervisor_restart_reproduces_the_failure_free_parameters(mpi, digits_dir: Path, tmp_path: Path,
                                                                    reference: dict) -> None:
     out = tmp_path / "run"
-    proc = supervise(mpi.root, RANKS, train_argv(digits_dir, out, "--kill", "1@35"), "--max-attempts", "3")
+    proc = supervise(mpi, RANKS, train_argv(digits_dir, out, "--kill", "1@35"), "--max-attempts", "3")
     assert proc.returncode == 0, diag(proc)
     sup = json.loads((out / "supervisor.json").read_text())
     assert [a["completed"] for a in sup["attempts"]] == [False, True]
@@ -100,7 +94,7 @@ def test_supervisor_restart_reproduces_the_failure_free_parameters(mpi, digits_d
 @pytest.mark.timeout(150)
 def test_supervisor_relaunches_with_fewer_ranks(mpi, digits_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = supervise(mpi.root, RANKS, train_argv(digits_dir, out, "--kill", "3@35", "--ckpt-strategy", "overlapped"),
+    proc = supervise(mpi, RANKS, train_argv(digits_dir, out, "--kill", "3@35", "--ckpt-strategy", "overlapped"),
                      "--relaunch", "fewer")
     assert proc.returncode == 0, diag(proc)
     sup = json.loads((out / "supervisor.json").read_text())
@@ -115,7 +109,7 @@ def test_supervisor_relaunches_with_fewer_ranks(mpi, digits_dir: Path, tmp_path:
 @pytest.mark.timeout(90)
 def test_supervisor_stops_at_the_attempt_limit(mpi, digits_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = supervise(mpi.root, RANKS, train_argv(digits_dir, out, "--kill", "2@12"), "--max-attempts", "1")
+    proc = supervise(mpi, RANKS, train_argv(digits_dir, out, "--kill", "2@12"), "--max-attempts", "1")
     assert proc.returncode == 1, diag(proc)
     assert "giving up after 1 attempts (--max-attempts 1)" in proc.stderr
     assert not (out / "summary.json").exists()

@@ -3,9 +3,6 @@ with the survivors' live state, while the survivors keep training; the world siz
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -147,9 +144,8 @@ def test_a_death_inside_the_merge_ends_the_job_and_supervise_resumes_from_the_ch
     out = tmp_path / "run"
     argv = ["train", "--data", str(digits_dir), "--out", str(out), "--epochs", "40", *TRAIN, "--recovery", "shrink",
             "--ckpt-dir", str(out / "ckpt"), "--kill", "1@30", "--kill", "2@30:merge"]
-    cmd = [sys.executable, "-P", "-m", "ulfmtrain", "supervise", "-n", "4", "--timeout", str(BOUND_S), "--", *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * BOUND_S - 10, cwd=mpi.root,
-                          env={**os.environ, "ULFMTRAIN_SPAWN_TIMEOUT": "5"})
+    proc = mpi.supervise(4, argv, "--timeout", str(BOUND_S), timeout=2 * BOUND_S - 10,
+                         env={"ULFMTRAIN_SPAWN_TIMEOUT": "5"})
     diag = proc.stderr[-3000:]
     assert proc.returncode == 0, diag
     assert "ulfmtrain: error: joining a respawned process did not finish in 5 s" in proc.stderr, diag
