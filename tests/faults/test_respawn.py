@@ -94,18 +94,25 @@ def test_checkpoints_go_on_after_a_newcomer_or_a_spare_takes_a_slot(mpi, digits_
 
 @pytest.mark.timeout(2 * BOUND_S)
 def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, digits_dir, tmp_path):
-    end, logs = train(mpi, digits_dir, tmp_path, 3, 1, 30, "1@15", "2@25")
+    """The spare takes slot 1 at step 15; the refill of the spare starts at step 16's boundary, and slot 2 dies in
+    step 17, before any boundary could join it (at step 25 it had joined once in CI, 0.2 s later, and took slot 2
+    as a spare: no shrink); the world shrinks, and the refill, still in flight, takes slot 2 when it joins."""
+    end, logs = train(mpi, digits_dir, tmp_path, 3, 1, 30, "1@15", "2@17")
     assert end["world_history"][:3] == [3, 3, 2] and end["world_history"][-1] == 3, end
     first, second = select(logs[0], "recovery")[:2]
     assert list(first["replaced"]) == ["1"] and second["removed"] == [2]
-    assert any(2 in r["slots"] for r in respawns(logs, 0, "joined"))
+    spawning, joined = respawns(logs, 0, "spawning")[0], respawns(logs, 0, "joined")[0]
+    assert spawning["slots"] == [] and spawning["t"] < second["t"] < joined["t"], (spawning, second, joined)
+    assert joined["slots"] == [2] and joined["size_after"] == 3, joined
 
 
 @pytest.mark.long          # about a minute: two spawns one after the other
 @pytest.mark.timeout(2 * BOUND_S)
 def test_the_spawning_rank_dies_and_another_survivor_respawns(mpi, digits_dir, tmp_path):
-    """Slot 0, the lowest survivor, spawns after the first kill and is killed while its batch starts."""
-    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 45, "1@30", "0@40")
+    """Slot 0, the lowest survivor, spawns after the first kill (at step 31's boundary) and is killed while its
+    batch starts: in step 33, after one boundary saw the batch not yet ready (a spawn takes 0.1 s or more) and
+    before a second could join it (at step 40 it could have joined first)."""
+    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 45, "1@30", "0@33")
     assert sizes(end["world_history"])[:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
     failed = respawns(logs, 2, "failed")
     assert failed and failed[0]["reason"] == "the spawning rank failed", failed
