@@ -6,7 +6,11 @@ entered MPI_Intercomm_merge (it never calls it).  The others never return:
 the merge's context-id allreduce fails, its error is lost, and the id
 selection retries for ever, printing `NBC_Progress: an error 75` each time.
 With REPRO_STEP=intercomm, rank 2 dies during MPI_Intercomm_create instead,
-which returns an error on every survivor.  Each process gives up after
+which returns an error on every survivor.  With REPRO_STEP=from-group, the
+others build the communicator with MPI_Comm_create_from_group (the union of
+the intercommunicator's two groups) instead of merging: that never returns
+either (its context id comes from a PMIx group construct, which waits for the
+dead member for good).  Each process gives up after
 REPRO_GIVE_UP_S seconds (20), printing where it was.
 
     mpirun --with-ft ulfm -np 4 --mca coll ^han python scripts/repro_merge_loop.py
@@ -38,13 +42,22 @@ def attempt(what: str, call):
         return None
 
 
+def join(inter, group, high: bool):
+    """One communicator of both sides: the merge, or the same group's communicator from a group."""
+    if STEP == "from-group":
+        attempt("MPI_Comm_create_from_group", lambda: MPI.Intracomm.Create_from_group(
+            group, "repro.join", errhandler=MPI.ERRORS_RETURN))
+    else:
+        attempt("MPI_Intercomm_merge", lambda: inter.Merge(high=high))
+
+
 if parent != MPI.COMM_NULL:             # the spawned process
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     pool = MPI.Intracomm(parent.Merge(high=True))
     MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
     inter = attempt("MPI_Intercomm_create", lambda: MPI.COMM_WORLD.Create_intercomm(0, pool, 0, TAG))
     if inter is not None:
-        attempt("MPI_Intercomm_merge", lambda: inter.Merge(high=True))
+        join(inter, MPI.Group.Union(inter.Get_remote_group(), MPI.COMM_WORLD.Get_group()), high=True)
     os._exit(0)
 
 world = MPI.COMM_WORLD.Dup()
@@ -64,5 +77,5 @@ if inter is not None:
     if rank == VICTIM:
         time.sleep(DELAY_S)
         os.kill(os.getpid(), signal.SIGKILL)
-    attempt("MPI_Intercomm_merge", lambda: inter.Merge(high=False))
+    join(inter, MPI.Group.Union(world.Get_group(), inter.Get_remote_group()), high=False)
 os._exit(0)

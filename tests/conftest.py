@@ -96,14 +96,14 @@ def run_supervise(n: int, argv: list[str], *sup: str, timeout: float,
     return _run(cmd, timeout, env, "supervise")
 
 
-def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: float,
-                ended: list[int]) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: float, ended: list[int], *,
+                env: dict | None = None) -> tuple[dict[int, dict], dict[int, list[dict]], str]:
     """Run `train ARGV --out OUT` on `ranks` ranks; check that the slots `ended` end, on one replica, with every
-    record of every epoch seen exactly once; return each slot's end record and the logs."""
+    record of every epoch seen exactly once; return each slot's end record, the logs and mpirun's stderr."""
     from ulfmtrain.audit import audit_logs
     from ulfmtrain.events import read_rank_logs, select
 
-    proc = run_mpi(ranks, [*argv, "--out", str(out)], timeout)
+    proc = run_mpi(ranks, [*argv, "--out", str(out)], timeout, env=env)
     logs = read_rank_logs(out)
     diag = proc.stdout[-2000:] + proc.stderr[-3000:]
     # One log per slot: a process that takes a slot goes on writing that slot's log.
@@ -112,7 +112,7 @@ def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: fl
     assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
     rows = audit_logs(logs)
     assert len(rows) == epochs and all(r.exact and r.finished for r in rows), rows
-    return ends, logs
+    return ends, logs, proc.stderr
 
 
 @pytest.fixture(scope="session")

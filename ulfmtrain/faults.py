@@ -44,7 +44,8 @@ class Kill:
 
     @property
     def kills(self) -> bool:
-        return self.phase not in (Phase.ERROR, Phase.DISAGREE)
+        """Whether RANK dies (at `ready` it kills a respawned process and lives on)."""
+        return self.phase not in (Phase.ERROR, Phase.DISAGREE, Phase.READY)
 
     def __str__(self) -> str:
         tail = {Phase.BACKWARD: f"={self.fraction:g}", Phase.ERROR: f"={self.count}"}.get(Phase(self.phase), "")
@@ -109,7 +110,8 @@ class FaultInjector:
     def __init__(self, kills: Iterable[Kill], world_rank: int,
                  log: Callable[..., None] | None = None) -> None:
         self._mine = {(k.step, k.phase): k for k in kills if k.rank == world_rank}
-        self._errors_left = {k.step: k.count for k in self._mine.values() if not k.kills}
+        self._errors_left = {k.step: k.count for k in self._mine.values()
+                             if k.phase in (Phase.ERROR, Phase.DISAGREE)}
         self._log = log
         self._recovery_armed = False
 
@@ -117,16 +119,19 @@ class FaultInjector:
     def active(self) -> bool:
         return bool(self._mine)
 
-    def at(self, step: int, phase: str) -> None:
-        """Die here if the schedule says so."""
+    def at(self, step: int, phase: str, pid: int | None = None) -> None:
+        """Die here if the schedule says so (given `pid`, SIGKILL that process instead, once)."""
         if not self._mine:
             return
         kill = self._mine.get((step, phase))
         if phase == "final":      # there is one final check, whatever its step
             kill = next((k for (_, p), k in self._mine.items() if p == "final"), None)
-        elif phase in ("join", "merge", "handover"):    # they happen at steps no schedule can know
+        elif phase in ("join", "merge", "handover", "ready"):    # they happen at steps no schedule can know
             kill = next((k for (s, p), k in self._mine.items() if p == phase and step >= s), None)
-        if kill is not None and kill.kills:
+        if kill is not None and pid is not None:
+            del self._mine[(kill.step, kill.phase)]
+            self._die(kill, pid)
+        elif kill is not None and kill.kills:
             self._die(kill)
         elif kill is not None and self._errors_left.get(step, 0) > 0:
             self._errors_left[step] -= 1
@@ -162,10 +167,10 @@ class FaultInjector:
                 if self._log:
                     self._log("kill_armed", step=step, phase=kill.phase, spec=str(kill))
 
-    def _die(self, kill: Kill) -> None:
+    def _die(self, kill: Kill, pid: int | None = None) -> None:
         if self._log:
-            self._log("kill", step=kill.step, phase=kill.phase, spec=str(kill))
-        os.kill(os.getpid(), signal.SIGKILL)
+            self._log("kill", step=kill.step, phase=kill.phase, spec=str(kill), **({"pid": pid} if pid else {}))
+        os.kill(pid or os.getpid(), signal.SIGKILL)
 
 
 _armed: FaultInjector | None = None
@@ -178,10 +183,11 @@ def arm(kills: Iterable[Kill], world_rank: int, log: Callable[..., None] | None 
     return _armed
 
 
-def point(step: int, phase: str) -> None:
-    """A program point: die here if this rank's schedule says so (a no-op when nothing is armed)."""
+def point(step: int, phase: str, pid: int | None = None) -> None:
+    """A program point: die here (or SIGKILL `pid`) if this rank's schedule says so (a no-op when nothing is
+    armed)."""
     if _armed is not None:
-        _armed.at(step, phase)
+        _armed.at(step, phase, pid)
 
 
 def watch_backward(params: list, step: int) -> list:

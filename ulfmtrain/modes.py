@@ -112,6 +112,7 @@ class Phase(StrEnum):
     JOIN = "join"              # in the first join of a respawned process at or after STEP, before the merge
     MERGE = "merge"            # the same join, once the survivors agreed to merge: Open MPI 5.0.x never returns
     HANDOVER = "handover"      # the sender of the first hand-over to a spare or newcomer at or after STEP
+    READY = "ready"            # the spawning rank SIGKILLs the first respawned process ready at or after STEP
 
 
 def choices(enum: type[StrEnum]) -> list[str]:

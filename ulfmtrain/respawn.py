@@ -52,6 +52,9 @@ TAG = 1711                  # of the intercommunicator between the survivors and
 # within it (its finalize is bounded at 5 s).  A spawn that overlapped its exit deadlocked the spawning rank in
 # Open MPI 5.0.11 (MPI_Comm_spawn, in the TCP transport's failure path): 2 of 6 runs, and once in CI; 0 of 9 now.
 LEAVE_S = 6.0
+# A failed batch or join is spawned again (LEAVE_S later) this many times in a row; then the world stays shrunk
+# until the next repair (a spawn that cannot succeed costs every rank 0.1 s per try).
+SPAWN_RETRIES = 2
 PRELOAD = ("torch._dynamo", "ulfmtrain.trainer")   # imported before a newcomer says it is ready
 JoinListener = Callable[[dict[str, Any]], None]
 
@@ -81,18 +84,21 @@ class _Spawn:
         self.t_start = time.time()
         self.t_spawned = 0.0
         self._spawned = False                                  # poll has called MPI_Comm_spawn count times
-        self._flag = np.zeros(1, dtype=np.int64)               # what a ready newcomer sends (its content unused)
-        self._pending: list[tuple[MPI.Intercomm, MPI.Request]] = []   # ready: the newcomer has imported torch
+        # Ready: the newcomer has imported torch, and sent its pid (for the `ready` kill phase).
+        self._pending: list[tuple[MPI.Intercomm, MPI.Request, np.ndarray]] = []
         self._ready: list[tuple[MPI.Intracomm, float]] = []   # (the owner and one newcomer, when ready)
         self._waiting: list[MPI.Intercomm] = []                # not merged (failed ones too): revoked by dismiss
         self.errors: list[str] = []
         self.stop = False
 
-    def poll(self) -> None:
+    def poll(self, step: int) -> None:
         """The owner, between steps: spawn the batch (0.1 s each), or merge with the ready ones (a few ms each).
 
         A newcomer says it is ready with a message, not an MPI_Ibarrier: of two Ibarriers on two spawns'
-        intercommunicators, tested on the main thread, Open MPI 5.0.11 completed only one.
+        intercommunicators, tested on the main thread, Open MPI 5.0.11 completed only one.  A newcomer that
+        dies between that message and the end of the merge leaves the owner in MPI_Intercomm_merge for good
+        (the context-id loop of respawn's join, see _join): the owner ends itself after the spawn bound, and
+        the others repair without it and respawn both.
         """
         if not self._spawned and not self.stop:
             self._spawned = True
@@ -110,14 +116,22 @@ class _Spawn:
                 timer.close()
             for inter in spawned:
                 self._waiting.append(inter)
-                self._pending.append((inter, inter.Irecv(self._flag, source=0, tag=TAG)))
+                pid = np.zeros(1, dtype=np.int64)
+                self._pending.append((inter, inter.Irecv(pid, source=0, tag=TAG), pid))
             return
         for item in list(self._pending):
-            inter, req = item
+            inter, req, pid = item
             try:
                 if not req.Test():
                     continue
-                pool = MPI.Intracomm(inter.Merge(high=False))
+                faults.point(step, Phase.READY, pid=int(pid[0]))
+                timer = _watchdog("merging with a ready respawned process", "the other ranks repair without "
+                                  "this one and train on", why="it died inside MPI_Intercomm_merge, and Open MPI "
+                                  "5.0.x does not return from that")
+                try:
+                    pool = MPI.Intracomm(inter.Merge(high=False))
+                finally:
+                    timer.close()
                 pool.Set_errhandler(MPI.ERRORS_RETURN)
                 self._ready.append((pool, time.time()))
                 self._waiting.remove(inter)
@@ -145,10 +159,10 @@ class _Spawn:
     def times(self) -> dict[str, float]:
         return {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start}
 
-    def dismiss(self) -> None:
+    def dismiss(self, step: int) -> None:
         """Send the ready newcomers away (END); revoke what the others wait on, so they leave too."""
         self.stop = True
-        self.poll()           # a newcomer that got ready since the last step waits in its merge: merge, then END
+        self.poll(step)       # a newcomer that got ready since the last step waits in its merge: merge, then END
         ready, self._ready = self._ready, []
         for pool, _ in ready:
             try:
@@ -172,8 +186,9 @@ class RespawnComm(SpareComm):
     def __init__(self, spares: int, command: list[str]) -> None:
         self.command, self.spares_target = forkserver.wrap(command), spares
         self._spawn: _Spawn | None = None
-        self._spawn_wanted = False         # after a failure: refill (a failed spawn waits for the next failure)
+        self._spawn_wanted = False         # after a failure: refill
         self._spawn_after = 0.0            # no spawn before this time.time() (LEAVE_S)
+        self._retries = 0                  # failed batches or joins since the last repair or join
         self._batch_seen = False           # a batch existed at the last boundary
         self._repaired = False             # a repair happened in the transaction in flight
         self._join_listeners: list[JoinListener] = []
@@ -227,11 +242,12 @@ class RespawnComm(SpareComm):
         super()._repair(what, committed, t_start, t_error, agree_ms)
         self._repaired = self._spawn_wanted = True
         self._saved_for_join = False
+        self._retries = 0
 
     def _boundary(self) -> None:
         """After a committed step: join a ready batch, or start one (every decision here is uniform)."""
         if self._spawn is not None:
-            self._spawn.poll()          # the owner alone: what the next commit agree says of its batch
+            self._spawn.poll(self.step)  # the owner alone: what the next commit agree says of its batch
         bits = self.agreed_bits
         # A spare that took a slot in this step is not at this boundary: it waits for the state.
         if self.pending_handover is not None:
@@ -244,8 +260,10 @@ class RespawnComm(SpareComm):
             if not bits & OK:
                 self._batch_seen, self._spawn = False, None
                 self._notify("failed", s.slots if s else [],
-                             reason="; ".join(s.errors) if s and s.errors else "MPI_Comm_spawn failed",
+                             reason="; ".join(s.errors) if s and s.errors else "MPI_Comm_spawn failed" if s
+                             else "the spawn failed: the spawning rank's log says why",
                              **(s.times() if s else {}))
+                self._retry_later()
             elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
                 # (A waiting spare would not take part: a newcomer joins once none is left.)  One newcomer
                 # per boundary; the next one, if any, at the next.
@@ -268,6 +286,14 @@ class RespawnComm(SpareComm):
             self._spawn_wanted = False
             self._spawn = _Spawn(self.command, count, empty)
             self._notify("spawning", empty, count=count, t_spawn=self._spawn.t_start)
+
+    def _retry_later(self) -> None:
+        """After a failed batch or join (uniform): spawn again, not before LEAVE_S (the newcomers it sent away
+        leave within it), and at most SPAWN_RETRIES times in a row."""
+        self._spawn_after = time.time() + LEAVE_S
+        if self._retries < SPAWN_RETRIES:
+            self._retries += 1
+            self._spawn_wanted = True
 
     def _join(self, s: _Spawn | None) -> None:
         """Every training rank (s: the batch on its owner, None elsewhere): one ready newcomer joins the world."""
@@ -318,13 +344,13 @@ class RespawnComm(SpareComm):
                 if c is not None:
                     _ftcoll.revoke(c)     # a newcomer waiting on them leaves
             self._notify("failed", [], reason="a process failed during the join")
-            self._spawn_after = time.time() + LEAVE_S
+            self._retry_later()
             return
         size_before = self.size
         times = {k: info[k] for k in ("t_spawn", "spawn_s", "ready_s")}
         plan = self._take_world(world, held)
         self.world_history.append(self.size)
-        self._spawn_wanted = True           # a spare may still be missing
+        self._spawn_wanted, self._retries = True, 0          # a spare may still be missing
         self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,
                      size_after=self.size, join_ms=(time.perf_counter() - t0) * 1e3, **times)
         if plan["taken"] and self.handover is not None:
@@ -356,7 +382,7 @@ class RespawnComm(SpareComm):
         s, self._spawn = self._spawn, None
         if s is not None and self.slot is not None:
             # Bounded: a spawn that never completes is left to the newcomers' own watchdog.
-            s.dismiss()
+            s.dismiss(self.step)
             self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
         self.release_spares()
 
@@ -374,7 +400,7 @@ class RespawnComm(SpareComm):
         try:
             parent.Set_errhandler(MPI.ERRORS_RETURN)
             t_ready = time.time()
-            _wait(parent.Isend(np.ones(1, dtype=np.int64), dest=0, tag=TAG))
+            _wait(parent.Isend(np.array([os.getpid()], dtype=np.int64), dest=0, tag=TAG))
             pool = MPI.Intracomm(parent.Merge(high=True))
             pool.Set_errhandler(MPI.ERRORS_RETURN)
             timer.close()         # ready: waiting in the pool for a failure may take any time

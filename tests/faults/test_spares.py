@@ -25,7 +25,7 @@ def train(mpi, digits_dir, out, spares: int, *kills: str, slots: int = SLOTS, en
     argv = ["train", "--data", str(digits_dir), "--spares", str(spares), *TRAIN]
     for k in kills:
         argv += ["--kill", k]
-    ends, logs = mpi.train_slots(SLOTS + spares, argv, out, EPOCHS, BOUND_S, ended or list(range(slots)))
+    ends, logs, _ = mpi.train_slots(SLOTS + spares, argv, out, EPOCHS, BOUND_S, ended or list(range(slots)))
     return ends[min(ends)], logs
 
 

@@ -100,3 +100,15 @@ def test_spares_can_fill_every_slot():
     assert [k.rank for k in parse_kills(["0@1", "1@2"], 2, spares=1)] == [0, 1]
     with pytest.raises(KillSpecError, match="kills all 2 ranks"):
         parse_kills(["0@1", "1@2"], 2, spares=0)
+
+
+def test_a_ready_kill_signals_the_respawned_process_once_and_kills_nobody_in_the_schedule(monkeypatch):
+    # At `ready`, RANK kills the process it spawned: RANK is neither a rank killed nor killed twice.
+    assert len(parse_kills(["0@1:ready", "1@5"], 2)) == 2 and len(parse_kills(["1@1:ready", "1@5"], 4)) == 2
+    sent = []
+    monkeypatch.setattr("ulfmtrain.faults.os.kill", lambda pid, sig: sent.append((pid, sig)))
+    inj = FaultInjector(parse_kills(["0@30:ready"], 4), world_rank=0, log=lambda ev, **kw: sent.append(kw))
+    inj.at(29, "ready", pid=4321)          # a process ready before STEP lives
+    inj.at(31, "ready", pid=4321)          # the first one at or after STEP is killed, by its pid
+    inj.at(32, "ready", pid=4322)          # and only that one
+    assert sent == [{"step": 30, "phase": "ready", "spec": "0@30:ready", "pid": 4321}, (4321, 9)]
