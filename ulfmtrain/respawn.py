@@ -144,10 +144,10 @@ class RespawnComm(SpareComm):
             s = self._spawn
             if not bits & OK:
                 self._batch_seen, self._spawn = False, None
-                self._notify("failed", s.slots if s else [],
-                             reason="; ".join(s.errors) if s and s.errors else "MPI_Comm_spawn failed" if s
-                             else "the spawn failed: the spawning rank's log says why",
-                             **(s.times() if s else {}))
+                # Only the owner holds the batch, and knows why it failed.
+                reason = ("the spawn failed: the spawning rank's log says why" if s is None
+                          else "; ".join(s.errors) or "MPI_Comm_spawn failed")
+                self._notify("failed", s.slots if s else [], reason=reason, **(s.times() if s else {}))
                 self._retry_later()
             elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
                 # (A waiting spare would not take part: a newcomer joins once none is left.)  One newcomer

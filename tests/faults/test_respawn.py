@@ -16,16 +16,13 @@ BOUND_S = 180
 TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress", "--replace", "respawn"]
 
 
-def train(mpi, digits_dir, out, slots: int, spares: int, epochs: int, *kills: str, stderr: list | None = None,
-          env: dict | None = None):
-    """Slot 0's end record and every slot's log (stderr: a list that gets mpirun's stderr)."""
+def train(mpi, digits_dir, out, slots: int, spares: int, epochs: int, *kills: str, env: dict | None = None):
+    """Slot 0's end record, every slot's log and mpirun's stderr."""
     argv = ["train", "--data", str(digits_dir), "--spares", str(spares), "--epochs", str(epochs), *TRAIN]
     for k in kills:
         argv += ["--kill", k]
-    ends, logs, err = mpi.train_slots(slots + spares, argv, out, epochs, BOUND_S, list(range(slots)), env=env)
-    if stderr is not None:
-        stderr.append(err)
-    return ends[0], logs
+    ends, logs, stderr = mpi.train_slots(slots + spares, argv, out, epochs, BOUND_S, list(range(slots)), env=env)
+    return ends[0], logs, stderr
 
 
 def respawns(logs, slot: int, status: str) -> list[dict]:
@@ -41,7 +38,7 @@ def sizes(history: list[int]) -> list[int]:
 
 @pytest.mark.timeout(2 * BOUND_S)
 def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi, digits_dir, tmp_path):
-    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 30, "1@30")
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 30, "1@30")
     assert end["world_history"] == [4, 3, 4]
     (spawning,) = respawns(logs, 0, "spawning")
     (joined,) = respawns(logs, 0, "joined")
@@ -67,8 +64,8 @@ def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi,
 @pytest.mark.timeout(3 * BOUND_S)
 def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_dir, tmp_path):
     """The spare takes slot 1; a respawned process becomes the new spare and takes slot 2: no shrink at all."""
-    free, _ = train(mpi, digits_dir, tmp_path / "free", 3, 1, 40)
-    end, logs = train(mpi, digits_dir, tmp_path / "killed", 3, 1, 40, "1@20", "2@1000")
+    free, _, _ = train(mpi, digits_dir, tmp_path / "free", 3, 1, 40)
+    end, logs, _ = train(mpi, digits_dir, tmp_path / "killed", 3, 1, 40, "1@20", "2@1000")
     joined = respawns(logs, 0, "joined")[0]           # (another refill may join after the second takeover)
     assert joined["slots"] == [] and joined["spares"] == 1 and joined["step"] < 1000, joined
     # Two takeovers and the refill (and a second refill if it joins before the end): never shrunk.
@@ -101,7 +98,7 @@ def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, di
     """The spare takes slot 1 at step 15; the refill of the spare starts at step 16's boundary, and slot 2 dies in
     step 17, before any boundary could join it (at step 25 it had joined once in CI, 0.2 s later, and took slot 2
     as a spare: no shrink); the world shrinks, and the refill, still in flight, takes slot 2 when it joins."""
-    end, logs = train(mpi, digits_dir, tmp_path, 3, 1, 30, "1@15", "2@17")
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 3, 1, 30, "1@15", "2@17")
     assert end["world_history"][:3] == [3, 3, 2] and end["world_history"][-1] == 3, end
     first, second = select(logs[0], "recovery")[:2]
     assert list(first["replaced"]) == ["1"] and second["removed"] == [2]
@@ -116,7 +113,7 @@ def test_the_spawning_rank_dies_and_another_survivor_respawns(mpi, digits_dir, t
     """Slot 0, the lowest survivor, spawns after the first kill (at step 31's boundary) and is killed while its
     batch starts: in step 33, after one boundary saw the batch not yet ready (a spawn takes 0.1 s or more) and
     before a second could join it (at step 40 it could have joined first)."""
-    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 45, "1@30", "0@33")
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 45, "1@30", "0@33")
     assert sizes(end["world_history"])[:3] == [4, 3, 2] and end["world_history"][-1] == 4, end
     failed = respawns(logs, 2, "failed")
     assert failed and failed[0]["reason"] == "the spawning rank failed", failed
@@ -130,9 +127,8 @@ def test_a_respawned_process_that_dies_once_ready_is_survived_and_replaced(mpi, 
     on shrunk and spawns again LEAVE_S later), or slot 0 crashes inside MPI soon after (a segfault in a later
     reduction, about half the runs), or never returns from the merge (then slot 0 ends itself after the spawn
     bound, with one line).  Whichever: training goes on, exactly once, and the world comes back to 4."""
-    stderr: list[str] = []
-    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 120, "1@30", "0@30:ready", stderr=stderr,
-                      env={"ULFMTRAIN_SPAWN_TIMEOUT": "5"})
+    end, logs, stderr = train(mpi, digits_dir, tmp_path, 4, 0, 120, "1@30", "0@30:ready",
+                              env={"ULFMTRAIN_SPAWN_TIMEOUT": "5"})
     (kill,) = select(logs[0], "kill")
     assert kill["phase"] == "ready" and kill["pid"] > 0, kill
     assert end["world_history"][-1] == 4, end
@@ -146,7 +142,7 @@ def test_a_respawned_process_that_dies_once_ready_is_survived_and_replaced(mpi, 
     else:                   # slot 0 died (a crash, or its bound: then with one line), and both slots came back
         assert rest[0]["removed"] == [0] and sizes(end["world_history"])[:3] == [4, 3, 2], (rest, end)
         assert sorted(s for r in respawns(logs, 2, "joined") for s in r["slots"]) == [0, 1]
-        assert "Segmentation fault" in stderr[0] or "did not finish in 5 s" in stderr[0], stderr[0][-3000:]
+        assert "Segmentation fault" in stderr or "did not finish in 5 s" in stderr, stderr[-3000:]
 
 
 @pytest.mark.timeout(2 * BOUND_S)
@@ -156,7 +152,7 @@ def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, d
     the join): the survivors decide together not to merge, say so, train on shrunk, and a later spawn refills
     the world."""
     # 120 epochs: room for the second spawn, of two processes, LEAVE_S after the failed join, to join before the end.
-    end, logs = train(mpi, digits_dir, tmp_path, 4, 0, 120, "1@30", f"{victim}@30:join")
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 120, "1@30", f"{victim}@30:join")
     (kill,) = select(logs[victim], "kill")
     assert kill["phase"] == "join"
     failed = respawns(logs, 3, "failed")
