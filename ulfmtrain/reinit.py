@@ -87,10 +87,12 @@ def spawn_timeout() -> float:
 
 
 def _watchdog(what: str, fix: str = "use --recovery restart under `ulfmtrain supervise`",
-              why: str = "MPI_Comm_spawn under ULFM can hang on Open MPI 5.0.x") -> Watchdog:
-    """A bound on one spawn or join: close() it once the call returned."""
+              why: str = "MPI_Comm_spawn under ULFM can hang on Open MPI 5.0.x", survived: bool = False) -> Watchdog:
+    """A bound on one spawn or join: close() it once the call returned.  survived: the others go on without
+    this process (stall.Watchdog)."""
     bound = spawn_timeout()
-    return Watchdog(bound, lambda _: f"ulfmtrain: error: {what} did not finish in {bound:g} s ({why}): {fix}")
+    return Watchdog(bound, lambda _: f"ulfmtrain: error: {what} did not finish in {bound:g} s ({why}): {fix}",
+                    survived)
 
 
 def _world(merged: MPI.Intracomm, slot: int, target: int, history: list[int]) -> ReinitComm:

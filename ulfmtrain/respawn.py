@@ -277,7 +277,7 @@ class RespawnComm(SpareComm):
         require_fault_tolerance()
         lifecycle.arm_at_exit()
         t_start = time.time()
-        timer = _watchdog("joining the survivors", "the survivors train on without this process")
+        timer = _watchdog("joining the survivors", "the survivors train on without this process", survived=True)
         for module in PRELOAD:     # torch's first optimizer imports torch._dynamo (2 s here)
             importlib.import_module(module)
         self.slot, self.handover, self.pending_handover, self.takeover = None, None, None, None
@@ -293,7 +293,8 @@ class RespawnComm(SpareComm):
             if code[0] != JOIN:
                 raise self._leave(None, "")
             timer = _watchdog("joining the survivors", "the survivors train on without this process",
-                              why="a process died inside the join, and Open MPI 5.0.x does not return from that")
+                              why="a process died inside the join, and Open MPI 5.0.x does not return from that",
+                              survived=True)
             MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
             inter = MPI.COMM_WORLD.Create_intercomm(0, pool, 0, TAG)
             merged = MPI.Intracomm(inter.Merge(high=True))

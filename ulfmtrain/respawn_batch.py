@@ -60,8 +60,9 @@ class Batch:
             self._spawned = True
             spawned = []
             for _ in range(self.count):
-                timer = _watchdog("spawning a replacement", "the job ends; resume it from a checkpoint (--ckpt-dir, "
-                                  "under `ulfmtrain supervise`)", why="MPI_Comm_spawn did not return")
+                # Alone in the spawn: the others wait in the next reduction and repair without this rank.
+                timer = _watchdog("spawning a replacement", "the other ranks repair without this one and train on",
+                                  why="MPI_Comm_spawn did not return", survived=True)
                 try:
                     inter = MPI.COMM_SELF.Spawn(self.command[0], self.command[1:], maxprocs=1, root=0)
                     inter.Set_errhandler(MPI.ERRORS_RETURN)
@@ -83,7 +84,7 @@ class Batch:
                 faults.point(step, Phase.READY, pid=int(pid[0]))
                 timer = _watchdog("merging with a ready respawned process", "the other ranks repair without "
                                   "this one and train on", why="it died inside MPI_Intercomm_merge, and Open MPI "
-                                  "5.0.x does not return from that")
+                                  "5.0.x does not return from that", survived=True)
                 try:
                     pool = MPI.Intracomm(inter.Merge(high=False))
                 finally:

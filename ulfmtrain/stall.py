@@ -7,11 +7,16 @@ collective timeout does, a rank that has committed no step for that long
 writes one line and exits with status 3: the job ends instead of hanging, and
 `ulfmtrain supervise` can relaunch it from a checkpoint.  The thread runs while
 the rank waits inside MPI: the fault path's calls release the GIL.  The same
-watchdog, never petted, bounds a spawn or a join (reinit.py, respawn.py).
+watchdog, never petted, bounds a spawn or a join (reinit.py, respawn.py).  One
+whose peers train on without its process (a respawn's spawn, merge or join)
+ends it with SIGKILL instead: Open MPI 5.0.x tells the others of a process
+killed by a signal, but not of one that exits without MPI_Finalize (they would
+wait in their collective for good).
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -27,10 +32,11 @@ class Watchdog:
     """Ends the process, with one line on stderr and status 3, once `pet` has not been called for `timeout` s.
 
     line(idle) gives the line; a watchdog that is never petted bounds one wait (reinit.py, respawn.py).
+    With survived=True the process ends by SIGKILL, so that Open MPI reports its death to the ranks that go on.
     """
 
-    def __init__(self, timeout: float, line: Callable[[float], str]) -> None:
-        self.timeout, self._line = timeout, line
+    def __init__(self, timeout: float, line: Callable[[float], str], survived: bool = False) -> None:
+        self.timeout, self._line, self._survived = timeout, line, survived
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ulfmtrain-watchdog", daemon=True)
@@ -49,6 +55,8 @@ class Watchdog:
             idle = time.monotonic() - self._last
             if idle >= self.timeout:
                 print(self._line(idle), file=sys.stderr, flush=True)
+                if self._survived:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(STALL_EXIT_CODE)
 
 

@@ -126,7 +126,8 @@ def test_a_respawned_process_that_dies_once_ready_is_survived_and_replaced(mpi, 
     with it (kill phase `ready`).  Open MPI 5.0.x then fails that merge (MPI_ERR_INTERN: slot 0 says so, trains
     on shrunk and spawns again LEAVE_S later), or slot 0 crashes inside MPI soon after (a segfault in a later
     reduction, about half the runs), or never returns from the merge (then slot 0 ends itself after the spawn
-    bound, with one line).  Whichever: training goes on, exactly once, and the world comes back to 4."""
+    bound, with one line and by SIGKILL: the others were never told of an exit, and hung in CI).  Whichever:
+    training goes on, exactly once, and the world comes back to 4."""
     end, logs, stderr = train(mpi, digits_dir, tmp_path, 4, 0, 120, "1@30", "0@30:ready",
                               env={"ULFMTRAIN_SPAWN_TIMEOUT": "5"})
     (kill,) = select(logs[0], "kill")

@@ -1,7 +1,9 @@
 """A peer that neither steps nor dies (SIGSTOP: Open MPI reports nothing) under real mpirun --with-ft ulfm:
-every other rank ends with one line after --step-timeout instead of waiting for good."""
+every other rank ends with one line after --step-timeout instead of waiting for good.  And a watchdog that
+ends its process for the others to repair is reported to them (SIGKILL), where an exit would not be."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -60,3 +62,19 @@ def test_a_frozen_peer_ends_the_job_after_the_step_timeout(digits_dir, tmp_path,
     print(f"\nrank {frozen} frozen: the others' lines {min(seen.values()) - t_stop:.1f}-"
           f"{max(seen.values()) - t_stop:.1f} s after the stop "
           f"(--step-timeout {STEP_TIMEOUT:g})")
+
+
+@pytest.mark.parametrize("survived", [True, False])
+def test_a_watchdog_the_others_survive_ends_its_process_so_that_they_are_told(mpi, tmp_path, survived):
+    """Rank 0's watchdog fires while the others wait on it in an allreduce.  survived=True (a respawn's merge or
+    join): it SIGKILLs its process and both peers get MPI_ERR_PROC_FAILED.  The default exit with status 3
+    without MPI_Finalize is reported to nobody by Open MPI 5.0.x: the peers would wait for good (here 8 s)."""
+    proc = mpi.script(3, mpi.root / "tests" / "scripts" / "watchdog_death.py", [str(tmp_path), str(int(survived))],
+                      timeout=60)
+    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(got) == [1, 2], proc.stderr[-2000:]
+    assert proc.stderr.count("rank 0: bounded wait over") == 1, proc.stderr[-2000:]
+    if survived:
+        assert all(g["proc_failed"] and g["waited"] < 5 for g in got.values()), got
+    else:
+        assert all(g["error"] is None and g["waited"] >= 8 for g in got.values()), got
