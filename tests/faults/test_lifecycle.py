@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,15 @@ def run_ranks(n: int, mode: str, out: Path, *, timeout: float, env: dict[str, st
     cmd = [*prefix(n), "sh", str(SCRIPTS / "record_exit.sh"), str(out),
            sys.executable, "-P", str(SCRIPTS / "lifecycle_rank.py"), mode, str(out)]
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"mpirun did not finish within {timeout} s: {exc.stdout}\n{exc.stderr}")
+    # A wrapper can still be writing its status once mpirun has returned (seen in CI): let it finish.
+    deadline = time.monotonic() + 5
+    while any(out.glob("status.*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
 
 
 def records(out: Path, what: str) -> dict[int, dict]:
