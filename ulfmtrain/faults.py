@@ -44,8 +44,9 @@ class Kill:
 
     @property
     def kills(self) -> bool:
-        """Whether RANK dies (at `ready` it kills a respawned process and lives on)."""
-        return self.phase not in (Phase.ERROR, Phase.DISAGREE, Phase.READY)
+        """Whether RANK dies (at `ready` it kills a respawned process, at `newcomer` its respawned processes
+        fail: it lives on)."""
+        return self.phase not in (Phase.ERROR, Phase.DISAGREE, Phase.READY, Phase.NEWCOMER)
 
     def __str__(self) -> str:
         tail = {Phase.BACKWARD: f"={self.fraction:g}", Phase.ERROR: f"={self.count}"}.get(Phase(self.phase), "")
@@ -141,6 +142,11 @@ class FaultInjector:
         if not self._recovery_armed:
             self._arm_recovery(step)
 
+    def newcomer_args(self, step: int) -> list[str]:
+        """The arguments that make the processes this rank spawns at `step` fail before they are ready."""
+        kill = next((k for (s, p), k in self._mine.items() if p == Phase.NEWCOMER and step >= s), None)
+        return ["--kill", str(kill)] if kill is not None else []
+
     def watch_backward(self, params: list, step: int) -> list:
         """Hook the gradients so the rank dies once `fraction` of them are ready."""
         kill = self._mine.get((step, Phase.BACKWARD)) if self._mine else None
@@ -188,6 +194,16 @@ def point(step: int, phase: str, pid: int | None = None) -> None:
     armed)."""
     if _armed is not None:
         _armed.at(step, phase, pid)
+
+
+def newcomer_args(step: int) -> list[str]:
+    """Arguments for the command of a process this rank spawns at `step` (the `newcomer` phase)."""
+    return _armed.newcomer_args(step) if _armed is not None else []
+
+
+def fails_before_ready(kills: Iterable[Kill]) -> bool:
+    """A respawned process whose schedule has a `newcomer` phase raises an error before it says it is ready."""
+    return any(k.phase == Phase.NEWCOMER for k in kills)
 
 
 def watch_backward(params: list, step: int) -> list:

@@ -113,6 +113,7 @@ class Phase(StrEnum):
     MERGE = "merge"            # the same join, once the survivors agreed to merge: Open MPI 5.0.x never returns
     HANDOVER = "handover"      # the sender of the first hand-over to a spare or newcomer at or after STEP
     READY = "ready"            # the spawning rank SIGKILLs the first respawned process ready at or after STEP
+    NEWCOMER = "newcomer"      # the processes RANK respawns at or after STEP raise an error before they are ready
 
 
 def choices(enum: type[StrEnum]) -> list[str]:
@@ -175,7 +176,7 @@ def run(job: TrainJob) -> int:
     from .comm import FaultPathError, FaultToleranceUnavailable
     from .data.format import DatasetError, DatasetFile
     from .device import select_device
-    from .faults import KillSpecError, parse_kills
+    from .faults import KillSpecError, fails_before_ready, parse_kills
     from .lifecycle import finalize
     from .models import build_model
 
@@ -188,7 +189,8 @@ def run(job: TrainJob) -> int:
                 from .reinit import spawn_command
                 from .respawn import RespawnComm
                 # Without kills: a newcomer takes a slot whose kill has fired (each slot has one at most).
-                comm = RespawnComm(job.spares, spawn_command(job.replace(kill_specs=[])))
+                comm = RespawnComm(job.spares, spawn_command(job.replace(kill_specs=[])),
+                                   fails_before_ready(parse_kills(job.kill_specs)))
             elif job.spares:
                 from .spares import SpareComm
                 comm = SpareComm(job.spares)

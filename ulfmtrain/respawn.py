@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -66,9 +68,10 @@ class RespawnComm(SpareComm):
         command: the program and arguments of a newcomer (this job, without kills: a newcomer takes a slot
             whose kill has fired); started as a fork of the host's fork server where it can be
             (`python [-P] (-m MODULE | SCRIPT)` of this interpreter; forkserver.py).
+        fail_before_ready: a newcomer raises an error before it says it is ready (the `newcomer` kill phase).
     """
 
-    def __init__(self, spares: int, command: list[str]) -> None:
+    def __init__(self, spares: int, command: list[str], fail_before_ready: bool = False) -> None:
         self.command, self.spares_target = forkserver.wrap(command), spares
         self._spawn: Batch | None = None
         self._spawn_wanted = False         # after a failure: refill
@@ -87,7 +90,16 @@ class RespawnComm(SpareComm):
             forkserver.start()
             super().__init__(spares)
         else:
-            self._join_as_newcomer(parent)
+            try:
+                self._join_as_newcomer(parent, fail_before_ready)
+            except Exception:
+                # Gone at once, by a signal: Open MPI tells a peer connected to it of that (not of an exit),
+                # and MPI_Finalize could wait for peers that will never come.  A spawning rank that never
+                # heard from it gives up after the spawn bound (respawn_batch.Batch.poll).
+                traceback.print_exc()
+                print("ulfmtrain: error: a respawned process failed before it joined (above); it ends, and "
+                      "the survivors spawn again", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def add_join_listener(self, fn: JoinListener) -> None:
         """Call fn(record) when a spawn starts, joins (after the new communicator, before the handover) or fails."""
@@ -169,7 +181,7 @@ class RespawnComm(SpareComm):
         # World rank 0, the lowest survivor, spawns alone: it leads the join (waiting spares rank last).
         if self._spawn_wanted and count > 0 and self.world.Get_rank() == 0 and time.time() >= self._spawn_after:
             self._spawn_wanted = False
-            self._spawn = Batch(self.command, count, empty)
+            self._spawn = Batch(self.command + faults.newcomer_args(self.step), count, empty)
             self._notify("spawning", empty, count=count, t_spawn=self._spawn.t_start)
 
     def _retry_later(self) -> None:
@@ -272,7 +284,7 @@ class RespawnComm(SpareComm):
         self.release_spares()
 
     # -- a newcomer -------------------------------------------------------------
-    def _join_as_newcomer(self, parent: MPI.Intercomm) -> None:
+    def _join_as_newcomer(self, parent: MPI.Intercomm, fail_before_ready: bool = False) -> None:
         """Get ready, merge with the spawning rank, wait (test-and-sleep) for the join, and take part in it."""
         require_fault_tolerance()
         lifecycle.arm_at_exit()
@@ -280,6 +292,8 @@ class RespawnComm(SpareComm):
         timer = _watchdog("joining the survivors", "the survivors train on without this process", survived=True)
         for module in PRELOAD:     # torch's first optimizer imports torch._dynamo (2 s here)
             importlib.import_module(module)
+        if fail_before_ready:
+            raise RuntimeError("the kill schedule's `newcomer` phase: this respawned process fails before it is ready")
         self.slot, self.handover, self.pending_handover, self.takeover = None, None, None, None
         code = np.zeros(2, dtype=np.int64)
         try:

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from . import _ftcoll, faults
 from .modes import Phase
-from .reinit import _watchdog
+from .reinit import _watchdog, spawn_timeout
 from .spares import WAIT_POLL_S
 
 END, JOIN = 0, 1            # what the spawning rank tells its waiting batch: go away, or join now
@@ -80,6 +80,14 @@ class Batch:
             inter, req, pid = item
             try:
                 if not req.Test():
+                    if time.time() - self.t_spawned > spawn_timeout():
+                        # Dead before it was ready, and nobody told: Open MPI reports a spawned process's
+                        # death to its parent only over a connection, and a newcomer that never sent has none.
+                        # Revoking toward it hung the spawning rank; if it lives, its own bound ends it.
+                        req.Cancel()
+                        self.errors.append(f"a newcomer was not ready within {spawn_timeout():g} s of its spawn")
+                        self._pending.remove(item)
+                        self._waiting.remove(inter)
                     continue
                 faults.point(step, Phase.READY, pid=int(pid[0]))
                 timer = _watchdog("merging with a ready respawned process", "the other ranks repair without "

@@ -9,7 +9,7 @@ import pytest
 from ulfmtrain.audit import audit_logs
 from ulfmtrain.events import read_rank_logs, select
 from ulfmtrain.job import TrainConfig
-from ulfmtrain.respawn import LEAVE_S
+from ulfmtrain.respawn import LEAVE_S, SPAWN_RETRIES
 
 pytestmark = pytest.mark.faults
 BOUND_S = 180
@@ -144,6 +144,30 @@ def test_a_respawned_process_that_dies_once_ready_is_survived_and_replaced(mpi, 
         assert rest[0]["removed"] == [0] and sizes(end["world_history"])[:3] == [4, 3, 2], (rest, end)
         assert sorted(s for r in respawns(logs, 2, "joined") for s in r["slots"]) == [0, 1]
         assert "Segmentation fault" in stderr or "did not finish in 5 s" in stderr, stderr[-3000:]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_respawned_process_that_fails_before_it_is_ready_is_spawned_again_up_to_the_limit(
+        mpi, digits_dir, tmp_path):
+    """Every process slot 0 respawns fails with an error before it is ready (kill phase `newcomer`).  Open MPI
+    tells slot 0 nothing of it (the newcomer never sent to it), so slot 0 gives up on it after the spawn bound,
+    says so, spawns again LEAVE_S later, SPAWN_RETRIES times, then trains on at 3.  (Before, slot 0 waited for
+    the ready message for good and never spawned again.)"""
+    epochs = 200     # room for three spawns, each given up after 3 s, LEAVE_S apart (about 20 s)
+    argv = ["train", "--data", str(digits_dir), "--spares", "0", "--epochs", str(epochs), *TRAIN,
+            "--kill", "1@30", "--kill", "0@30:newcomer"]
+    ends, logs, stderr = mpi.train_slots(4, argv, tmp_path, epochs, BOUND_S, [0, 2, 3],   # slot 1 stays empty
+                                         env={"ULFMTRAIN_SPAWN_TIMEOUT": "3"})
+    end = ends[0]
+    failed = respawns(logs, 0, "failed")
+    assert len(failed) == SPAWN_RETRIES + 1, (failed, stderr[-3000:])
+    assert all(f["reason"] == "a newcomer was not ready within 3 s of its spawn" for f in failed), failed
+    spawns = respawns(logs, 0, "spawning")
+    assert len(spawns) == SPAWN_RETRIES + 1 and all(s["slots"] == [1] for s in spawns), spawns
+    for before, after in zip(failed, spawns[1:]):
+        assert after["t"] - before["t"] >= LEAVE_S, (before, after)
+    assert not respawns(logs, 0, "joined") and end["world_history"] == [4, 3], end
+    assert stderr.count("a respawned process failed before it joined") == SPAWN_RETRIES + 1, stderr[-3000:]
 
 
 @pytest.mark.timeout(2 * BOUND_S)

@@ -1,7 +1,15 @@
 """Kill-spec parsing and the fault injector's bookkeeping (no MPI, no kills)."""
 import pytest
 
-from ulfmtrain.faults import FaultInjector, InjectedError, Kill, KillSpecError, parse_kill, parse_kills
+from ulfmtrain.faults import (
+    FaultInjector,
+    InjectedError,
+    Kill,
+    KillSpecError,
+    fails_before_ready,
+    parse_kill,
+    parse_kills,
+)
 
 
 @pytest.mark.parametrize("spec,kill", [
@@ -112,3 +120,14 @@ def test_a_ready_kill_signals_the_respawned_process_once_and_kills_nobody_in_the
     inj.at(31, "ready", pid=4321)          # the first one at or after STEP is killed, by its pid
     inj.at(32, "ready", pid=4322)          # and only that one
     assert sent == [{"step": 30, "phase": "ready", "spec": "0@30:ready", "pid": 4321}, (4321, 9)]
+
+
+def test_a_newcomer_phase_fails_the_processes_its_rank_spawns_from_its_step_and_kills_nobody():
+    kills = parse_kills(["1@5", "0@30:newcomer"], 4)
+    assert [k.kills for k in kills] == [True, False]
+    inj = FaultInjector(kills, world_rank=0)
+    assert inj.newcomer_args(29) == []                                   # spawned before STEP: fine
+    assert inj.newcomer_args(30) == inj.newcomer_args(90) == ["--kill", "0@30:newcomer"]
+    assert FaultInjector(kills, world_rank=2).newcomer_args(90) == []    # another rank's spawns: fine
+    # The newcomer finds the phase in its own arguments.
+    assert fails_before_ready(parse_kills(inj.newcomer_args(30)[1:])) and not fails_before_ready(kills[:1])
