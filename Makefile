@@ -15,7 +15,7 @@ demo: setup
 	$(PY) -P -m ulfmtrain demo
 
 test: setup
-	$(PY) -P -m pytest
+	$(PY) -P -m pytest --durations=15
 
 test-long: setup
 	$(PY) -P -m pytest -m long

@@ -153,15 +153,15 @@ def test_a_respawned_process_that_fails_before_it_is_ready_is_spawned_again_up_t
     tells slot 0 nothing of it (the newcomer never sent to it), so slot 0 gives up on it after the spawn bound,
     says so, spawns again LEAVE_S later, SPAWN_RETRIES times, then trains on at 3.  (Before, slot 0 waited for
     the ready message for good and never spawned again.)"""
-    epochs = 200     # room for three spawns, each given up after 3 s, LEAVE_S apart (about 20 s)
+    epochs = 130     # room for three spawns, each given up after 2 s, LEAVE_S apart (about 19 s; 28 s here)
     argv = ["train", "--data", str(digits_dir), "--spares", "0", "--epochs", str(epochs), *TRAIN,
             "--kill", "1@30", "--kill", "0@30:newcomer"]
     ends, logs, stderr = mpi.train_slots(4, argv, tmp_path, epochs, BOUND_S, [0, 2, 3],   # slot 1 stays empty
-                                         env={"ULFMTRAIN_SPAWN_TIMEOUT": "3"})
+                                         env={"ULFMTRAIN_SPAWN_TIMEOUT": "2"})
     end = ends[0]
     failed = respawns(logs, 0, "failed")
     assert len(failed) == SPAWN_RETRIES + 1, (failed, stderr[-3000:])
-    assert all(f["reason"] == "a newcomer was not ready within 3 s of its spawn" for f in failed), failed
+    assert all(f["reason"] == "a newcomer was not ready within 2 s of its spawn" for f in failed), failed
     spawns = respawns(logs, 0, "spawning")
     assert len(spawns) == SPAWN_RETRIES + 1 and all(s["slots"] == [1] for s in spawns), spawns
     for before, after in zip(failed, spawns[1:]):
