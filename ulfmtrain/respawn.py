@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
 import time
 import traceback
@@ -43,7 +42,7 @@ from .modes import Phase
 from .reinit import _watchdog
 from .respawn_batch import JOIN, TAG, Batch, wait
 from .spares import SpareComm
-from .stall import Watchdog
+from .stall import Watchdog, die_told
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -97,9 +96,8 @@ class RespawnComm(SpareComm):
                 # and MPI_Finalize could wait for peers that will never come.  A spawning rank that never
                 # heard from it gives up after the spawn bound (respawn_batch.Batch.poll).
                 traceback.print_exc()
-                print("ulfmtrain: error: a respawned process failed before it joined (above); it ends, and "
-                      "the survivors spawn again", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                die_told("ulfmtrain: error: a respawned process failed before it joined (above); it ends, and "
+                         "the survivors spawn again")
 
     def add_join_listener(self, fn: JoinListener) -> None:
         """Call fn(record) when a spawn starts, joins (after the new communicator, before the handover) or fails."""

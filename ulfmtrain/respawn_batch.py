@@ -39,11 +39,13 @@ class Batch:
         self.command, self.count, self.slots = command, count, slots
         self.t_start = time.time()
         self.t_spawned = 0.0
+        self.ready_within = spawn_timeout()                    # a newcomer not ready by then is given up
         self._spawned = False                                  # poll has called MPI_Comm_spawn count times
         # Ready: the newcomer has imported torch, and sent its pid (for the `ready` kill phase).
         self._pending: list[tuple[MPI.Intercomm, MPI.Request, np.ndarray]] = []
         self._ready: list[tuple[MPI.Intracomm, float]] = []   # (the owner and one newcomer, when ready)
-        self._waiting: list[MPI.Intercomm] = []                # not merged (failed ones too): revoked by dismiss
+        # Not merged (failed ones too, not the ones given up): revoked by dismiss.
+        self._waiting: list[MPI.Intercomm] = []
         self.errors: list[str] = []
         self.stop = False
 
@@ -80,12 +82,12 @@ class Batch:
             inter, req, pid = item
             try:
                 if not req.Test():
-                    if time.time() - self.t_spawned > spawn_timeout():
+                    if time.time() - self.t_spawned > self.ready_within:
                         # Dead before it was ready, and nobody told: Open MPI reports a spawned process's
                         # death to its parent only over a connection, and a newcomer that never sent has none.
                         # Revoking toward it hung the spawning rank; if it lives, its own bound ends it.
                         req.Cancel()
-                        self.errors.append(f"a newcomer was not ready within {spawn_timeout():g} s of its spawn")
+                        self.errors.append(f"a newcomer was not ready within {self.ready_within:g} s of its spawn")
                         self._pending.remove(item)
                         self._waiting.remove(inter)
                     continue

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from .lifecycle import INIT_HANG_EXIT_CODE
 
@@ -54,10 +55,18 @@ class Watchdog:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             idle = time.monotonic() - self._last
             if idle >= self.timeout:
-                print(self._line(idle), file=sys.stderr, flush=True)
                 if self._survived:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    die_told(self._line(idle))
+                print(self._line(idle), file=sys.stderr, flush=True)
                 os._exit(STALL_EXIT_CODE)
+
+
+def die_told(line: str) -> NoReturn:
+    """One line on stderr, then SIGKILL: the one end of a process that Open MPI 5.0.x tells ULFM survivors of
+    (agent.die does the same where the package cannot be imported)."""
+    print(line, file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL cannot be caught")
 
 
 def step_watchdog(timeout: float, where: Callable[[], str]) -> Watchdog:

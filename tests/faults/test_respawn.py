@@ -16,12 +16,14 @@ BOUND_S = 180
 TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress", "--replace", "respawn"]
 
 
-def train(mpi, digits_dir, out, slots: int, spares: int, epochs: int, *kills: str, env: dict | None = None):
-    """Slot 0's end record, every slot's log and mpirun's stderr."""
+def train(mpi, digits_dir, out, slots: int, spares: int, epochs: int, *kills: str, env: dict | None = None,
+          ended: list[int] | None = None):
+    """Slot 0's end record, every slot's log and mpirun's stderr (ended: the slots that end; default all)."""
     argv = ["train", "--data", str(digits_dir), "--spares", str(spares), "--epochs", str(epochs), *TRAIN]
     for k in kills:
         argv += ["--kill", k]
-    ends, logs, stderr = mpi.train_slots(slots + spares, argv, out, epochs, BOUND_S, list(range(slots)), env=env)
+    ends, logs, stderr = mpi.train_slots(slots + spares, argv, out, epochs, BOUND_S,
+                                         list(range(slots)) if ended is None else ended, env=env)
     return ends[0], logs, stderr
 
 
@@ -154,11 +156,8 @@ def test_a_respawned_process_that_fails_before_it_is_ready_is_spawned_again_up_t
     says so, spawns again LEAVE_S later, SPAWN_RETRIES times, then trains on at 3.  (Before, slot 0 waited for
     the ready message for good and never spawned again.)"""
     epochs = 130     # room for three spawns, each given up after 2 s, LEAVE_S apart (about 19 s; 28 s here)
-    argv = ["train", "--data", str(digits_dir), "--spares", "0", "--epochs", str(epochs), *TRAIN,
-            "--kill", "1@30", "--kill", "0@30:newcomer"]
-    ends, logs, stderr = mpi.train_slots(4, argv, tmp_path, epochs, BOUND_S, [0, 2, 3],   # slot 1 stays empty
-                                         env={"ULFMTRAIN_SPAWN_TIMEOUT": "2"})
-    end = ends[0]
+    end, logs, stderr = train(mpi, digits_dir, tmp_path, 4, 0, epochs, "1@30", "0@30:newcomer",
+                              env={"ULFMTRAIN_SPAWN_TIMEOUT": "2"}, ended=[0, 2, 3])     # slot 1 stays empty
     failed = respawns(logs, 0, "failed")
     assert len(failed) == SPAWN_RETRIES + 1, (failed, stderr[-3000:])
     assert all(f["reason"] == "a newcomer was not ready within 2 s of its spawn" for f in failed), failed
