@@ -183,9 +183,13 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
         # be noticed (a kill is noticed in tens of ms: longer means the ranks were stuck when it came).
         errors_with_nobody_dead=len({r["step"] for r in recs if r.get("cause")}),
         slow_detections=len({r["step"] for r in recs if r["detect_ms"] > SLOW_DETECT_MS}),
-        progress=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
+        world=[(t, w) for t, w in steps[:: max(1, len(steps) // 2000)]])
+    t = step_times(logs)      # once: the rank logs hold millions of step records after a long soak
+    # (seconds since the first step, committed steps): the figure's curve, at most 2000 points.
+    every = max(1, t.size // 2000)
+    res["progress"] = [(round(float(x - t[0]), 3), i + 1) for i, x in enumerate(t)][every - 1:: every]
+    res["t_first_step"] = float(t[0])
     if kills:
-        t = step_times(logs)      # once: the rank logs hold millions of step records after a long soak
         res["lost_s_per_failure_by_part"] = lost_parts(logs, t, kills, ref_step_s)
         res["lost_s_per_failure_at_own_pace"] = lost_at_own_pace(t, kills)
         res["stalls"] = stalls(t, kills)
@@ -252,21 +256,35 @@ def lost_at_own_pace(t: np.ndarray, kills: list[dict[str, Any]]) -> float:
     return lost / max(1, len(kills))
 
 
-def plot(free: dict, soak: dict, kills: list[dict], path: Path) -> None:
+def plot(free: dict, soak: dict, kills: list[dict], goodput: float | None, path: Path) -> None:
+    """Committed steps against time, soak beside the failure-free reference, kills marked (goodput is the ratio
+    of the two slopes); below it, the training ranks over time."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.2))
-    for label, r in (("failure-free", free), ("soak", soak)):
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax, world) = plt.subplots(2, 1, figsize=(8, 4.6), sharex=True, height_ratios=(3, 1))
+    for label, r in (("failure-free reference", free), ("soak", soak)):
         prog = r.get("progress") or []
         if prog:
-            t0 = prog[0][0]
-            ax.step([t - t0 for t, _ in prog], [w for _, w in prog], where="post", label=label, lw=0.8)
-    if kills and soak.get("progress"):
-        t0 = soak["progress"][0][0]
-        for k in kills:
-            ax.axvline(k["t"] - t0, color="red", lw=0.3, alpha=0.5)
-    ax.set_xlabel("seconds since training started (red: SIGKILL)")
-    ax.set_ylabel("training ranks")
-    ax.legend(fontsize=7)
+            ax.plot(*zip(*prog), label=label, lw=1.2)
+        if r.get("world") and r.get("t_first_step") is not None:
+            world.step([t - r["t_first_step"] for t, _ in r["world"]], [w for _, w in r["world"]],
+                       where="post", lw=0.8)
+    if soak.get("t_first_step") is not None:
+        for i, k in enumerate(kills):
+            for a in (ax, world):
+                a.axvline(k["t"] - soak["t_first_step"], color="red", lw=0.4, alpha=0.5,
+                          label="SIGKILL" if a is ax and i == 0 else None)
+    ax.set_ylabel("committed steps")
+    title = f"{len(kills)} SIGKILLs"
+    if goodput is not None:
+        title += f": goodput {goodput:.2f} of the failure-free pace"
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left")
+    world.set_ylabel("training ranks")
+    world.set_ylim(0, max((w for r in (free, soak) for _, w in r.get("world") or []), default=1) + 0.5)
+    world.yaxis.set_major_locator(MaxNLocator(integer=True))
+    world.set_xlabel("seconds since the first committed step")
     save_figure(fig, path)
 
 
@@ -349,9 +367,9 @@ def main(argv: list[str]) -> int:
     print(json.dumps(headline, indent=1))
     png = args.results / f"{NAME}.png"
     args.results.mkdir(parents=True, exist_ok=True)
-    plot(free, soak, kills, png)
+    plot(free, soak, kills, headline.get("goodput_ratio"), png)
     for r in (*refs.values(), soak):
-        r.pop("progress", None)
+        r.pop("world", None)     # drawn; the progress curve stays, so the figure can be drawn again
     path = common.write_result(args.results, NAME, {
         "question": __doc__.split("\n\n")[0],
         "params": {"failures": args.failures, "interval_s": args.interval, "ranks": args.ranks,
