@@ -42,15 +42,16 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="cnn, cnn-bn (with batch norm), mlp, resnet18 (32x32 images), or package.module:factory "
                         "returning an nn.Module")
     _device_flag(p)
-    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=20, help="passes over the training set")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="batch per rank (kept after a shrink)")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate at the starting world size (SGD)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay (L2)")
     p.add_argument("--lr-scaling", choices=choices(LrScaling), default=LrScaling.LINEAR.value,
                    help="linear: after a shrink or a join the learning rate follows the global batch "
                         "(lr x live ranks / ranks at the start); none: keep --lr at any world size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the initial model and the record order of every epoch (same seed, same run)")
     p.add_argument("--reload", choices=choices(Reload), default=Reload.PARTIAL.value,
                    help="after a failure read only my share of the lost records, or re-read my whole shard")
     p.add_argument("--data-policy", choices=choices(DataPolicy), default=DataPolicy.EXACTLY_ONCE.value,
@@ -67,7 +68,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         + ", ".join(choices(Phase)).replace("backward", "backward[=FRAC]")
                         + " (checkpoint: rank 0 only, half-way through writing that step's checkpoint)")
     p.add_argument("--out", default="ulfmtrain-out", help="directory for rank<N>.jsonl and summary.json")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0 (logs and CI)")
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="the last K ranks are hot spares: they wait, and take a dead rank's slot with the "
                         "survivors' live state (launch -n N --spares K starts N + K ranks)")
@@ -193,13 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ...")
 
     p = sub.add_parser("demo", help="train on digits twice, without and with a SIGKILL, and compare")
-    p.add_argument("--out", default="ulfmtrain-demo")
-    p.add_argument("-n", "--ranks", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--out", default="ulfmtrain-demo", help="directory for the runs, the report and the figure")
+    p.add_argument("-n", "--ranks", type=int, default=4, help="training ranks")
+    p.add_argument("--epochs", type=int, default=20, help="epochs of each run")
     p.add_argument("--kill", default=None, help="kill spec for the faulty run (default: rank 1, mid-epoch, ~60%% in)")
-    p.add_argument("--model", default="cnn")
+    p.add_argument("--model", default="cnn", help="cnn, cnn-bn, mlp or package.module:factory (as train --model)")
     _device_flag(p)
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is killed")
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="also run with K hot spares: it ends bit-identical to the failure-free run")
 
@@ -234,10 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "mlp on synthetic data; ulfmtrain.models:large_mlp is a "
                                                   "6.3 M-parameter MLP for synthetic data)")
     _device_flag(p)
-    p.add_argument("-n", "--ranks", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch", type=int, default=DEFAULT_BATCH)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-n", "--ranks", type=int, default=4, help="training ranks of every run")
+    p.add_argument("--epochs", type=int, default=5, help="epochs of every run")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="batch per rank")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and of the record order (as train --seed)")
     p.add_argument("--kill", action="append", default=None, metavar="RANK@STEP[:PHASE]",
                    help="kill schedule (repeatable; default: rank 1 about 60%% through, half-way between checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=20, metavar="K", help="checkpoint every K steps (restart, reinit)")
@@ -256,20 +257,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="create or check a ulfmds dataset")
     dsub = p.add_subparsers(dest="kind", required=True)
     d = dsub.add_parser("digits", help="scikit-learn's handwritten digits -> DIR/train.ulfmds, DIR/test.ulfmds")
-    d.add_argument("path")
-    d.add_argument("--test-fraction", type=float, default=0.2)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("path", help="directory to write train.ulfmds and test.ulfmds into")
+    d.add_argument("--test-fraction", type=float, default=0.2, help="share of the records held out as the test set")
+    d.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     d = dsub.add_parser("synthetic", help="a large learnable synthetic set -> PATH")
-    d.add_argument("path")
-    d.add_argument("--records", type=int, default=None)
+    d.add_argument("path", help="the .ulfmds file to write")
+    d.add_argument("--records", type=int, default=None, help="number of records (default: as many as --mib holds)")
     d.add_argument("--mib", type=float, default=64.0, help="size in MiB when --records is not given")
-    d.add_argument("--features", type=int, default=1024)
+    d.add_argument("--features", type=int, default=1024, help="float32 features per record")
     d.add_argument("--shape", type=_shape, default=None, metavar="C,H,W",
                    help="store records in this shape (e.g. 3,32,32 for CIFAR-10's); replaces --features")
-    d.add_argument("--classes", type=int, default=10)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--classes", type=int, default=10, help="number of labels the records fall into")
+    d.add_argument("--seed", type=int, default=0, help="seed of the generator (same seed, same file)")
     d = dsub.add_parser("info", help="print a dataset's header and verify every record")
-    d.add_argument("path")
+    d.add_argument("path", help="the .ulfmds file to check")
     return parser
 
 
