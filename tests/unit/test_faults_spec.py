@@ -58,6 +58,9 @@ def test_schedule_checked_against_world():
         parse_kills(["4@1"], 4)
     with pytest.raises(KillSpecError, match="kills all 2 ranks"):
         parse_kills(["0@1", "1@5"], 2)
+    # Every rank failing by another kind is a bug on every rank: the job ends with status 1 (exits.py).
+    assert len(parse_kills(["0@1/raise", "1@1:update/raise"], 2)) == 2
+    assert len(parse_kills(["0@1/raise", "1@5"], 2)) == 2
     with pytest.raises(KillSpecError, match="twice"):
         parse_kills(["1@1", "1@5"], 4)
     # An error phase kills nobody: it counts neither as a rank killed nor as a second kill.
