@@ -63,10 +63,12 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overlap", action="store_true",
                    help="reduce each gradient bucket on a communication thread while backward still runs "
                         "(bit-identical results)")
-    p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP[:PHASE]",
-                   help="SIGKILL a rank (repeatable); PHASE: "
+    p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP[:PHASE][/KIND]",
+                   help="make a rank fail (repeatable); PHASE: "
                         + ", ".join(choices(Phase)).replace("backward", "backward[=FRAC]")
-                        + " (checkpoint: rank 0 only, half-way through writing that step's checkpoint)")
+                        + " (checkpoint: rank 0 only, half-way through writing that step's checkpoint); KIND: "
+                        "kill (SIGKILL, the default), raise (an uncaught exception), exit[=CODE] (sys.exit), "
+                        "term (SIGTERM), int (SIGINT)")
     p.add_argument("--out", default="ulfmtrain-out", help="directory for rank<N>.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0 (logs and CI)")
     p.add_argument("--spares", type=int, default=0, metavar="K",
@@ -239,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=5, help="epochs of every run")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="batch per rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and of the record order (as train --seed)")
-    p.add_argument("--kill", action="append", default=None, metavar="RANK@STEP[:PHASE]",
+    p.add_argument("--kill", action="append", default=None, metavar="RANK@STEP[:PHASE][/KIND]",
                    help="kill schedule (repeatable; default: rank 1 about 60%% through, half-way between checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=20, metavar="K", help="checkpoint every K steps (restart, reinit)")
     p.add_argument("--modes", default=",".join([*choices(Recovery), "respawn"]),

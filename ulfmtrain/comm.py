@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from . import _ftcoll, faults, lifecycle, tether
+from . import _ftcoll, exits, faults, lifecycle, tether
 from .modes import Phase
 
 T = TypeVar("T")
@@ -157,6 +157,7 @@ class _CommBase:
         self._attempt = 0           # the attempt in flight (a spare's handover says which comes next)
         self._next_attempt = 0
         self.receivers: set[int] = set()   # world ranks waiting for a hand-over: never the root of a redo
+        exits.register(self)        # a failure of this rank meets its peers' next agree on self.comm
 
     @property
     def rank(self) -> int:

@@ -1,8 +1,11 @@
-"""Fault injection: kill schedules (RANK@STEP[:PHASE]) and the points where a rank SIGKILLs itself.
+"""Fault injection: kill schedules (RANK@STEP[:PHASE][/KIND]) and the points where a rank fails.
 
 Everything that injects a failure lives here, behind one seam: the runtime
 calls `point(step, phase)` at each program point, a no-op until `arm()` gives
-this rank a schedule.
+this rank a schedule.  KIND says how the rank fails there: `kill` (SIGKILL, the
+default), `raise` (an uncaught exception), `exit[=N]` (sys.exit(N), N=1 unless
+given), `term` (SIGTERM) or `int` (SIGINT, which Python turns into
+KeyboardInterrupt).
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import math
 import os
 import re
 import signal
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -17,10 +21,18 @@ from .modes import Phase
 
 PHASES = tuple(p.value for p in Phase)     # what each one means: modes.Phase
 DEFAULT_BACKWARD_FRACTION = 0.5
-_SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?$")
-_HELP = (f"expected RANK@STEP[:PHASE], PHASE one of "
-         f"{', '.join(PHASES).replace('backward', 'backward[=FRACTION]').replace('error', 'error[=COUNT]')} "
-         "(e.g. 1@300, 2@40:backward=0.25 or 1@50:error=2)")
+KINDS = ("kill", "raise", "exit", "term", "int")   # how the rank fails: see the module's docstring
+_SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?(?:/([a-z]+)(?:=([0-9]+))?)?$")
+_HELP = (f"expected RANK@STEP[:PHASE][/KIND], PHASE one of "
+         f"{', '.join(PHASES).replace('backward', 'backward[=FRACTION]').replace('error', 'error[=COUNT]')}, "
+         f"KIND one of {', '.join(KINDS).replace('exit', 'exit[=CODE]')} "
+         "(e.g. 1@300, 2@40:backward=0.25, 1@50:error=2, 1@7:update/raise or 0@9/exit=3)")
+# Phases where another process fails (ready), nobody fails (error, disagree, newcomer), or the C fault path
+# SIGKILLs the rank (recovery): only the default kind there.
+_KILL_ONLY = ("error", "disagree", "ready", "newcomer", "recovery")
+# A checkpoint write that raises is reported and training goes on (a full disk is no rank failure); sys.exit in
+# the overlapped writer's thread would end that thread alone.
+_SIGNAL_ONLY = ("checkpoint",)
 
 
 class KillSpecError(ValueError):
@@ -31,16 +43,22 @@ class InjectedError(Exception):
     """A schedule's error phase fired here: the caller turns it into an MPI error with no rank dead."""
 
 
+class InjectedFailure(RuntimeError):
+    """The `raise` kind of a kill schedule: an exception that nothing in ulfmtrain catches, as a bug's."""
+
+
 @dataclass(frozen=True)
 class Kill:
-    """Rank `rank` SIGKILLs itself at `phase` of global step `step` (the error phase: `count` attempts of
-    the step meet an MPI error on this rank, and nobody dies)."""
+    """Rank `rank` fails at `phase` of global step `step`, as `kind` says (the error phase: `count` attempts
+    of the step meet an MPI error on this rank, and nobody dies); `code` is the status of the exit kind."""
 
     rank: int
     step: int
     phase: str = Phase.FORWARD
     fraction: float = DEFAULT_BACKWARD_FRACTION
     count: int = 1
+    kind: str = "kill"
+    code: int = 1
 
     @property
     def kills(self) -> bool:
@@ -50,14 +68,35 @@ class Kill:
 
     def __str__(self) -> str:
         tail = {Phase.BACKWARD: f"={self.fraction:g}", Phase.ERROR: f"={self.count}"}.get(Phase(self.phase), "")
-        return f"{self.rank}@{self.step}:{self.phase}{tail}"
+        kind = "" if self.kind == "kill" else f"/{self.kind}" + (f"={self.code}" if self.kind == "exit"
+                                                                    and self.code != 1 else "")
+        return f"{self.rank}@{self.step}:{self.phase}{tail}{kind}"
 
 
 def parse_kill(spec: str) -> Kill:
-    """Parse one RANK@STEP[:PHASE] spec."""
+    """Parse one RANK@STEP[:PHASE][/KIND] spec."""
     m = _SPEC.match(spec.strip())
     if not m:
         raise KillSpecError(f"bad kill spec {spec!r}: {_HELP}")
+    kill = _parse_point(spec, m)
+    kind, code = m[5] or "kill", m[6]
+    if kind not in KINDS:
+        raise KillSpecError(f"bad kill spec {spec!r}: unknown kind {kind!r}; {_HELP}")
+    if code is not None and kind != "exit":
+        raise KillSpecError(f"bad kill spec {spec!r}: only the exit kind takes =CODE; {_HELP}")
+    if code is not None and not 0 <= int(code) <= 255:
+        raise KillSpecError(f"bad kill spec {spec!r}: the exit code must be from 0 to 255; {_HELP}")
+    if kind != "kill" and kill.phase in _KILL_ONLY:
+        raise KillSpecError(f"bad kill spec {spec!r}: the {kill.phase} phase takes no /KIND (nobody, another "
+                            f"process or the C fault path fails there); drop /{kind}")
+    if kind in ("raise", "exit") and kill.phase in _SIGNAL_ONLY:
+        raise KillSpecError(f"bad kill spec {spec!r}: a checkpoint write that raises or exits is reported and "
+                            f"training goes on (no rank fails); use /kill, /term or /int there")
+    return Kill(kill.rank, kill.step, kill.phase, kill.fraction, kill.count, kind, int(code or 1))
+
+
+def _parse_point(spec: str, m: re.Match) -> Kill:
+    """RANK@STEP[:PHASE[=VALUE]] of a spec that matched _SPEC."""
     rank, step, phase, frac = int(m[1]), int(m[2]), m[3] or Phase.FORWARD, m[4]
     if phase not in PHASES:
         raise KillSpecError(f"bad kill spec {spec!r}: unknown phase {phase!r}; {_HELP}")
@@ -87,7 +126,9 @@ def parse_kills(specs: Iterable[str], world_size: int | None = None, spares: int
             if k.rank >= world_size:
                 raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of "
                                     f"{world_size} ranks; use RANK@STEP with RANK from 0 to {world_size - 1}")
-        if len({k.rank for k in kills}) >= world_size + spares:
+        # Only SIGKILLs can leave nobody: when every rank fails by another kind, they end the job together
+        # with status 1 (exits.py), which a test of a bug on every rank wants.
+        if len({k.rank for k in kills}) >= world_size + spares and all(k.kind == "kill" for k in kills):
             raise KillSpecError(f"the kill schedule kills all {world_size} ranks: "
                                 "drop one RANK@STEP so a survivor is left")
     ranks = [k.rank for k in kills]
@@ -175,8 +216,21 @@ class FaultInjector:
 
     def _die(self, kill: Kill, pid: int | None = None) -> None:
         if self._log:
-            self._log("kill", step=kill.step, phase=kill.phase, spec=str(kill), **({"pid": pid} if pid else {}))
-        os.kill(pid or os.getpid(), signal.SIGKILL)
+            self._log("kill", step=kill.step, phase=kill.phase, spec=str(kill),
+                      **({"pid": pid} if pid else {}), **({"kind": kill.kind} if kill.kind != "kill" else {}))
+        fail(kill.kind, kill.code, str(kill), pid)
+
+
+def fail(kind: str, code: int = 1, spec: str = "", pid: int | None = None) -> None:
+    """Fail as `kind` says (KINDS): a signal to `pid` or this process, an exception or sys.exit(code)."""
+    if kind == "raise":
+        raise InjectedFailure(f"injected failure {spec}: an exception nothing catches, as a bug's")
+    if kind == "exit":
+        sys.exit(code)
+    sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[kind]
+    # To this process, the signal arrives before kill() returns; a Python handler (SIGINT's, ulfmtrain's
+    # SIGTERM one) then runs at the next bytecode, still at this program point.
+    os.kill(pid or os.getpid(), sig)
 
 
 _armed: FaultInjector | None = None

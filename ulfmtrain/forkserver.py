@@ -56,18 +56,32 @@ def wrap(command: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", str(Path(__file__).with_name("spawn_shim.py")), address(), *command]
 
 
+_server: subprocess.Popen[bytes] | None = None    # the server this rank started
+
+
 def start() -> subprocess.Popen[bytes] | None:
     """Start this host's server, once per host (local rank 0 of the launched job), if enabled."""
     from .device import local_rank
 
+    global _server
     if not enabled() or local_rank() != 0 or ADDRESS_ENV in os.environ:
         return None
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_ENV)}
     # Its own session (a kill of this rank must not end it); no standard streams of this rank: PRRTE counts a
     # process as ended only once its output pipes close.
-    return subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.forkserver", address(), str(os.getppid())],
+    _server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.forkserver", address(), str(os.getppid())],
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+    return _server
+
+
+def drain() -> None:
+    """The job is done: the server this rank started, or the one that forked it, ends once its forked processes
+    have (it would otherwise wait for PRRTE's daemon to end, seconds after mpirun)."""
+    pids = ([_server.pid] if _server is not None else []) + ([os.getppid()] if os.environ.get(FORKED_ENV) else [])
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
 
 
 def _program(command: list[str]) -> tuple[str, str, list[str], bool]:
@@ -115,6 +129,9 @@ def _become(request: dict, fds: list[int], server: int) -> None:
         code = exc.code
     except BaseException:
         traceback.print_exc()
+        from . import exits
+        if exits.fault_tolerant():
+            exits.leave(failed=True)    # dies by SIGKILL unless every member is leaving
     finally:
         try:
             atexit._run_exitfuncs()   # the bounded MPI_Finalize among them
@@ -144,6 +161,8 @@ def serve(address: str, watch: int) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    draining = []       # SIGUSR1 (drain()): end once no forked process is left
+    signal.signal(signal.SIGUSR1, lambda *_: draining.append(1))
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(wake_r, selectors.EVENT_READ, "reap")
@@ -158,7 +177,7 @@ def serve(address: str, watch: int) -> None:
                 if status is not None:
                     conn.send(json.dumps({"status": status}).encode())
 
-    while True:
+    while not (draining and not shims):
         for key, _ in sel.select():
             if key.data == "end":
                 return               # the children get SIGKILL with our exit

@@ -64,7 +64,7 @@ class TrainJob:
     test_file: Path | None = None
     model: str = "cnn"
     config: TrainConfig = field(default_factory=TrainConfig)
-    kill_specs: list[str] = field(default_factory=list)     # RANK@STEP[:PHASE], checked against the world size
+    kill_specs: list[str] = field(default_factory=list)     # RANK@STEP[:PHASE][/KIND], checked against the world size
     recovery: Recovery = Recovery.SHRINK
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     out: Path = Path("ulfmtrain-out")

@@ -2,14 +2,15 @@
 
 A rank that dies before MPI_Init completes leaves its peers waiting in
 MPI_Init for ever (Open MPI's start-up fence has no timeout), and MPI_Finalize
-after a failure can hang (ompi #11404, #9434).  Both calls run under a C
+after a failure can hang (ompi #11404, #9434): under ULFM a rank leaves without
+it (exits.py); without ULFM it is bounded.  Both calls run under a C
 watchdog (mpi4py's calls hold the GIL, so a Python timer could never fire);
 on a hang it writes one line on stderr and ends the process with a non-zero
 code, so a hang is never waited on for ever nor reported as success.
 
 Under mpirun, `import ulfmtrain` calls `start_at_import()`: mpi4py is told not
 to initialize or finalize MPI itself, MPI_Init runs here, bounded, and the
-bounded finalize is armed at interpreter exit.
+exit protocol (exits.py) is armed: the exception hook, SIGTERM, and the end.
 """
 from __future__ import annotations
 
@@ -134,12 +135,24 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
 
 
 def arm_at_exit(timeout: float = 5.0) -> None:
-    """Finalize, bounded, at interpreter exit: a program that never calls finalize cannot hang there.
+    """At interpreter exit, leave the job (exits.py): under ULFM, together with the peers and without
+    MPI_Finalize, which can hang after a failure; else finalize, bounded.  Also installs the hooks that make an
+    uncaught exception or SIGTERM a failure the peers see (exits.install).
 
     Idempotent: only the first call registers.
     """
     global _armed
     if not _armed:
         _armed = True
+        from . import exits
+        exits.install()
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
-        atexit.register(finalize, timeout)
+        atexit.register(_at_exit, timeout)
+
+
+def _at_exit(timeout: float) -> None:
+    from . import exits
+    if exits.fault_tolerant():
+        exits.at_exit()     # returns once every member is leaving; MPI_Finalize is skipped (docs/failures.md)
+    else:
+        finalize(timeout)

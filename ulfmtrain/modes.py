@@ -176,9 +176,14 @@ def run(job: TrainJob) -> int:
     from .comm import FaultPathError, FaultToleranceUnavailable
     from .data.format import DatasetError, DatasetFile
     from .device import select_device
+    from .exits import fault_tolerant
     from .faults import KillSpecError, fails_before_ready, parse_kills
     from .lifecycle import finalize
     from .models import build_model
+
+    def end(code: int) -> int:
+        # Under ULFM, at exit the ranks leave together without MPI_Finalize (exits.py); else finalize, bounded.
+        return code if fault_tolerant() else finalize(job.finalize_timeout, code)
 
     torch.set_num_threads(1)   # one rank per core; more threads only fight
     first = MPI.COMM_WORLD.Get_rank() == 0
@@ -222,7 +227,7 @@ def run(job: TrainJob) -> int:
             for module in ("torch._dynamo", "ulfmtrain.trainer"):
                 importlib.import_module(module)
             if not comm.wait_for_slot():
-                return finalize(job.finalize_timeout, 0)     # training ended without needing me
+                return end(0)     # training ended without needing me
             kills = [k for k in kills if k.rank != comm.world_rank]   # the dead rank's kill fired already
 
         def build(comm: Any, kills: list[Kill], resume: bool) -> Trainer:
@@ -246,15 +251,17 @@ def run(job: TrainJob) -> int:
             tail = f", test accuracy {acc:.4f}" if acc is not None else ""
             print(f"{PROG}: {summary['steps']} steps, world {summary['world_history']}{tail}", flush=True)
     except _PeerFailed:
-        return finalize(job.finalize_timeout, 2)
+        return end(2)
     except Exception as exc:
         if isinstance(exc, (DatasetError, UsageError)):
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-            return finalize(job.finalize_timeout, 2)
+            return end(2)
         if isinstance(exc, (CheckpointError, FaultPathError)):   # raised alike on every rank: rank 0 says it
             if comm is not None and comm.rank == 0:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-            return finalize(job.finalize_timeout, 2 if isinstance(exc, CheckpointError) else 1)
-        traceback.print_exc()                  # unexpected: still leave through the bounded finalize
-        return finalize(job.finalize_timeout, 1)
-    return finalize(job.finalize_timeout, 0)
+            return end(2 if isinstance(exc, CheckpointError) else 1)
+        if fault_tolerant():
+            raise       # unexpected, maybe on this rank alone: exits.py's hook makes it a failure the peers see
+        traceback.print_exc()
+        return end(1)
+    return end(0)

@@ -4,6 +4,8 @@ Under mpirun --with-ft ulfm.  Digits in memory on every rank, the batch-norm
 CNN, AdamW with a cosine LR schedule, exactly-once batches.  Each rank writes
 its pid once MPI is initialized (the killer strikes from then on, the initial
 broadcast included), then OUT/rank<N>.jsonl with audit, epoch and end lines.
+Kill specs after OUT (RANK@STEP[:PHASE][/KIND]) make ranks fail inside the optimizer's step, as a bug in
+the user's program would (tests/faults/test_failure_kinds.py).
 """
 import os
 import sys
@@ -14,6 +16,7 @@ from sklearn.datasets import load_digits
 from ulfmtrain import DistributedOptimizer, FaultTolerantComm
 from ulfmtrain.data.sampler import distributed_sampler
 from ulfmtrain.events import EventLog
+from ulfmtrain.faults import arm, parse_kills
 from ulfmtrain.models import DigitsCNNBN
 
 EPOCHS, BATCH = 6, 16
@@ -32,6 +35,7 @@ opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), comm,
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=EPOCHS * 30)
 sampler = distributed_sampler(comm, opt, len(y), BATCH, seed=1)
 log = EventLog(out, comm.world_rank)
+arm(parse_kills(sys.argv[2:], comm.size), comm.world_rank, log)
 log("start", count=len(y), config={"data_policy": "exactly-once"})
 batch = torch.empty(0, dtype=torch.long)
 opt.add_attempt_hook(lambda step, attempt: log("audit", step=step, attempt=attempt, epoch=sampler.epoch,

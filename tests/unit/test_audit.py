@@ -76,3 +76,25 @@ def test_bad_directories_say_what_to_do(tmp_path, capsys):
     write(tmp_path, logs_of({0: END}, 4))
     assert audit.main(str(tmp_path)) == 2
     assert "--audit" in capsys.readouterr().err
+
+
+def test_a_resumed_run_counts_the_records_committed_before_its_checkpoint_as_seen(capsys, tmp_path):
+    """--resume from a checkpoint in the middle of epoch 1: this run's logs hold only what came after it."""
+    resume = {"event": "resume", "step": 9, "epoch": 1, "resumed_epoch": 1, "remaining": 3}
+    logs = logs_of({0: [resume, a(10, [0], 1), a(11, [4], 1), {"event": "epoch", "epoch": 1}, a(12, [2], 2),
+                        {"event": "epoch", "epoch": 2}, {"event": "end"}],
+                    1: [resume, a(10, [5], 1), a(12, [0, 1, 3, 4, 5], 2), {"event": "epoch", "epoch": 1},
+                        {"event": "epoch", "epoch": 2}, {"event": "end"}]}, 6)
+    first, second = audit.audit_logs(logs)
+    assert (first.epoch, first.before, first.seen, first.missing, first.exact) == (1, 3, 6, 0, True)
+    assert (second.before, second.seen, second.exact) == (0, 6, True)
+    # One missing record after the checkpoint is still missing.
+    logs[1] = [x for x in logs[1] if x.get("step") != 10]
+    assert audit.audit_logs(logs)[0].missing == 1
+    # The table says which records it counted without seeing them.
+    for r, recs in logs_of({0: [resume, a(10, [0, 4, 5], 1), {"event": "epoch", "epoch": 1}, {"event": "end"}]},
+                           6).items():
+        (tmp_path / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    assert audit.main(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "3 committed before the checkpoint of step 9" in out and "exactly once" in out, out

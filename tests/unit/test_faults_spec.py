@@ -4,6 +4,7 @@ import pytest
 from ulfmtrain.faults import (
     FaultInjector,
     InjectedError,
+    InjectedFailure,
     Kill,
     KillSpecError,
     fails_before_ready,
@@ -22,6 +23,12 @@ from ulfmtrain.faults import (
     (" 1@9:recovery ", Kill(1, 9, "recovery")),
     ("1@5:error", Kill(1, 5, "error")),
     ("1@5:error=3", Kill(1, 5, "error", count=3)),
+    ("1@5:update/raise", Kill(1, 5, "update", kind="raise")),
+    ("0@5/exit", Kill(0, 5, "forward", kind="exit", code=1)),
+    ("0@5:commit/exit=0", Kill(0, 5, "commit", kind="exit", code=0)),
+    ("2@4:backward=0.25/term", Kill(2, 4, "backward", 0.25, kind="term")),
+    ("2@4:checkpoint/int", Kill(2, 4, "checkpoint", kind="int")),
+    ("2@4:init/kill", Kill(2, 4, "init")),
 ])
 def test_parse_valid(spec, kill):
     assert parse_kill(spec) == kill
@@ -33,11 +40,16 @@ def test_parse_valid(spec, kill):
     ("1@2:sideways", "unknown phase"), ("1@2:update=0.5", "only the backward"),
     ("1@2:backward=0", "fraction"), ("1@2:backward=1.5", "fraction"), ("1@2:backward=.", "fraction"),
     ("1@2:error=0", "error count"), ("1@2:error=1.5", "error count"),
+    ("1@2/boom", "unknown kind"), ("1@2/raise=3", "only the exit kind"), ("1@2/exit=256", "exit code"),
+    ("1@2/exit=-1", "bad kill spec"), ("1@2:update/", "bad kill spec"),
+    ("1@2:error/raise", "takes no /KIND"), ("1@2:recovery/term", "takes no /KIND"),
+    ("1@2:ready/exit", "takes no /KIND"), ("1@2:checkpoint/raise", "use /kill, /term"),
 ])
 def test_parse_invalid(spec, word):
     with pytest.raises(KillSpecError, match=word) as exc:
         parse_kill(spec)
-    assert "\n" not in str(exc.value) and "RANK@STEP" in str(exc.value)
+    assert "\n" not in str(exc.value) and ("RANK@STEP" in str(exc.value) or "/KIND" in str(exc.value)
+                                           or "/kill" in str(exc.value))
 
 
 def test_schedule_checked_against_world():
@@ -46,6 +58,9 @@ def test_schedule_checked_against_world():
         parse_kills(["4@1"], 4)
     with pytest.raises(KillSpecError, match="kills all 2 ranks"):
         parse_kills(["0@1", "1@5"], 2)
+    # Every rank failing by another kind is a bug on every rank: the job ends with status 1 (exits.py).
+    assert len(parse_kills(["0@1/raise", "1@1:update/raise"], 2)) == 2
+    assert len(parse_kills(["0@1/raise", "1@5"], 2)) == 2
     with pytest.raises(KillSpecError, match="twice"):
         parse_kills(["1@1", "1@5"], 4)
     # An error phase kills nobody: it counts neither as a rank killed nor as a second kill.
@@ -131,3 +146,48 @@ def test_a_newcomer_phase_fails_the_processes_its_rank_spawns_from_its_step_and_
     assert FaultInjector(kills, world_rank=2).newcomer_args(90) == []    # another rank's spawns: fine
     # The newcomer finds the phase in its own arguments.
     assert fails_before_ready(parse_kills(inj.newcomer_args(30)[1:])) and not fails_before_ready(kills[:1])
+
+
+@pytest.mark.parametrize("spec,expect", [
+    ("1@3:update/raise", ("raise", InjectedFailure)),
+    ("1@3:update/exit=4", ("exit", 4)),
+    ("1@3:update/exit", ("exit", 1)),
+    ("1@3:update/term", ("signal", 15)),
+    ("1@3:update/int", ("signal", 2)),
+    ("1@3:update", ("signal", 9)),
+])
+def test_each_kind_fails_the_rank_its_way_at_its_point(monkeypatch, spec, expect):
+    sent, logged = [], []
+    monkeypatch.setattr("ulfmtrain.faults.os.kill", lambda pid, sig: sent.append(("signal", sig)))
+    inj = FaultInjector(parse_kills([spec], 4), world_rank=1, log=lambda ev, **kw: logged.append(kw))
+    inj.at(3, "forward")                     # another point of the same step: nothing
+    assert sent == [] and logged == []
+    kind, what = expect
+    if kind == "raise":
+        with pytest.raises(InjectedFailure, match=spec.split("/")[0]):
+            inj.at(3, "update")
+    elif kind == "exit":
+        with pytest.raises(SystemExit) as exc:
+            inj.at(3, "update")
+        assert exc.value.code == what
+    else:
+        inj.at(3, "update")
+        assert sent == [("signal", what)]
+    # The log says which kind, before the rank fails.
+    name = kind if kind in ("raise", "exit") else {15: "term", 2: "int", 9: "kill"}[what]
+    assert logged == [{"step": 3, "phase": "update", "spec": str(parse_kill(spec)),
+                       **({"kind": name} if name != "kill" else {})}]
+    # Nothing in ulfmtrain catches the injected exception as an MPI error or an injected error phase.
+    assert not issubclass(InjectedFailure, InjectedError)
+
+
+def test_a_raise_in_backward_leaves_through_backward():
+    import torch
+
+    inj = FaultInjector(parse_kills(["0@5:backward=0.5/raise"], 2), world_rank=0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    hooks = inj.watch_backward(list(model.parameters()), 5)
+    with pytest.raises(InjectedFailure):
+        model(torch.ones(1, 4)).sum().backward()
+    for h in hooks:
+        h.remove()

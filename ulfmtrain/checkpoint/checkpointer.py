@@ -337,7 +337,12 @@ class Checkpointer:
         _, path, header, sections = msg
         state.load_replica_state(sections["replica"])   # the sampler state re-plans itself for this world
         set_rng_state(pickle.loads(sections["rng"]))
-        self._log("resume", file=Path(path).name, step=header["step"], epoch=header["epoch"],
+        sampler = getattr(state, "sampler", None)
+        # What the audit needs to count the records committed before the checkpoint as seen (audit.py).
+        left = {} if sampler is None else {
+            "resumed_epoch": sampler.epoch,
+            "remaining": int(sum(len(q) - sampler.cursors[w] for w, q in sampler.queues.items()))}
+        self._log("resume", file=Path(path).name, step=header["step"], epoch=header["epoch"], **left,
                   ckpt_world=header["world_size"], world=state.comm.size,
                   remapped=header["world_size"] != state.comm.size,
                   bytes=sum(len(v) for v in sections.values()), load_ms=(time.perf_counter() - t0) * 1e3)
