@@ -119,17 +119,19 @@ int ftc_repair(MPI_Comm *comm, ftc_report *rep)
         *comm = fresh;
         maybe_kill(FTC_KILL_AFTER_SHRINK);
 
-        /* Agree before first use, so no peer is still building `fresh`. */
+        /* Agree before first use, so no peer is still building `fresh`.  The
+         * agree's return code is not uniform (one survivor can see a death in
+         * it that another does not): a second agree on "my first one was OK"
+         * gives every survivor the same answer, keep `fresh` or shrink again. */
         t = MPI_Wtime();
         int flag = 1;
         rc = MPIX_Comm_agree(fresh, &flag);
+        int clean = rc == MPI_SUCCESS;
+        (void)MPIX_Comm_agree(fresh, &clean);
         rep->agree_ms += ms_since(t);
-        if (rc == MPI_SUCCESS)
+        if (clean)
             return FTC_OK;
-        if (ftc_status_of(rc) != FTC_FAILED) {
-            rep->mpi_error = rc;
-            return FTC_ERROR;
-        }
+        rep->mpi_error = rc;    /* a process failure: shrink again; another error too, a bounded number of times */
     }
     rep->mpi_error = MPI_ERR_INTERN;
     return FTC_ERROR;

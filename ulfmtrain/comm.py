@@ -52,6 +52,16 @@ class AttemptFailed(Exception):
         self.status, self.started, self.failed = status, started, failed
 
 
+class StartOver(Exception):
+    """Raised out of a repair during start-up that gave dead ranks' slots to newcomers (spares): every rank,
+    survivors and newcomers alike, starts the start-up (initial state, checkpoint set-up) over together.
+
+    value: the agreed value of the agree() it was raised from, if any.
+    """
+
+    value: int | None = None
+
+
 def require_fault_tolerance() -> None:
     """Refuse to run unless the MPI library has ULFM and mpirun enabled it."""
     lib = MPI.Get_library_version().strip().splitlines()[0]
@@ -63,6 +73,17 @@ def require_fault_tolerance() -> None:
         raise FaultToleranceUnavailable(
             "fault tolerance is not enabled: launch with `mpirun --with-ft ulfm ...` "
             "or `python -m ulfmtrain launch -n N -- train ...`")
+
+
+def agree_all_ok(comm: MPI.Comm, ok: bool) -> bool:
+    """True on every survivor iff every survivor's `ok` held and none met a failure in the agree (uniform).
+
+    The agree's flag is uniform, its return code is not: a second agree on "my first one returned OK" turns
+    the return code into a shared decision.  A death in the second agree is left to the next collective.
+    """
+    flag, status = _ftcoll.agree(comm, 1 if ok else 0)
+    clean, _ = _ftcoll.agree(comm, 1 if status == _ftcoll.OK else 0)
+    return bool(flag and clean)
 
 
 def world_ranks(comm: MPI.Comm) -> list[int]:
@@ -123,6 +144,7 @@ class Comm(Protocol):
     world_history: list[int]
     events: list[RecoveryEvent]
     step: int
+    started: bool
 
     @property
     def rank(self) -> int: ...
@@ -158,6 +180,7 @@ class _CommBase:
         self._next_attempt = 0
         self.receivers: set[int] = set()   # world ranks waiting for a hand-over: never the root of a redo
         exits.register(self)        # a failure of this rank meets its peers' next agree on self.comm
+        self.started = False        # the start-up (initial state, checkpoint set-up) committed on every rank
 
     @property
     def rank(self) -> int:
@@ -248,6 +271,8 @@ class FaultTolerantComm(_CommBase):
             if flag:
                 if commit is not None:
                     commit(result)          # type: ignore[arg-type]
+                if what == "step":
+                    self.started = True     # (a loop of one's own without an initial broadcast: its first step)
                 # The agreed value is uniform, the return code is not: every rank committed, and peers told OK
                 # are already in the next transaction.  A repair here alone would wait for them for good: a
                 # process failure is repaired at the start of the next transaction, by everyone.
@@ -321,7 +346,11 @@ class FaultTolerantComm(_CommBase):
         self._failure_seen = bool(clean) and status == _ftcoll.FAILED
         if not clean:
             t = MPI.Wtime()
-            self._repair("agree", True, t, t, 0.0)
+            try:
+                self._repair("agree", True, t, t, 0.0)
+            except StartOver as exc:
+                exc.value = value
+                raise
         return value
 
     def bcast_bytes(self, make: Callable[[], bytes], root: int = 0) -> bytes:
@@ -363,9 +392,8 @@ def _fault_tolerant_dup(base: MPI.Intracomm) -> MPI.Intracomm:
             if _ftcoll.status_of(exc.Get_error_code()) != _ftcoll.FAILED:
                 raise
             continue
-        # Agree before first use, so no peer is still building it.
-        _, status = _ftcoll.agree(comm, 1)
-        if status == _ftcoll.OK:
+        # Agree before first use, so no peer is still building it; keep it or repair it, alike everywhere.
+        if agree_all_ok(comm, True):
             return comm
         fresh, _ = _ftcoll.repair(comm)
         retire(comm)

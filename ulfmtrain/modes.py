@@ -156,10 +156,16 @@ def _build_trainer(job: TrainJob, model: Any, comm: Any, kills: list[Kill], resu
     if getattr(comm, "takeover", None) is not None:
         if error:
             raise error
-    elif not comm.agree(0 if error else 1):
-        if error:
-            raise error
-        raise _PeerFailed
+    else:
+        from .comm import StartOver
+        try:
+            loaded = comm.agree(0 if error else 1)
+        except StartOver as exc:    # spares took slots in its repair: they join the start-up in fit()
+            loaded = exc.value
+        if not loaded:
+            if error:
+                raise error
+            raise _PeerFailed
     if job.recovery is not Recovery.SHRINK:
         # Reading the whole shard is the data reload of a restart: compare times it.
         trainer.log("ready", t_init=t_init, init_ms=init_ms, load_ms=trainer.load_ms,

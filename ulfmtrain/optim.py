@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from . import faults
 from .buckets import BufferBucket, crc32_tensors, make_buckets
-from .comm import AttemptFailed
+from .comm import AttemptFailed, StartOver
 from .job import DEFAULT_BUCKET_BYTES
 from .modes import Phase
 from .overlap import Overlap
@@ -99,7 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # step's forward left them) to the spares that join.
         self._committed_buffers: dict[str, torch.Tensor] | None = None
         if hasattr(comm, "handover"):
-            setattr(comm, "handover", self.handover)  # noqa: B010  # a SpareComm's
+            setattr(comm, "handover", self)  # noqa: B010  # a SpareComm's: it calls handover_payload/take_handover
             self._keep_committed_buffers()
         if broadcast:
             self.broadcast_state()
@@ -298,10 +298,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def hand_over_pending(self) -> None:
         """After a newcomer joined at a step boundary (the step committed): hand over once the update is applied,
         or at the next synchronize if the update was skipped (a GradScaler's inf step), or at the end."""
-        pending = getattr(self.comm, "pending_handover", None)
-        if pending is not None:
-            setattr(self.comm, "pending_handover", None)  # noqa: B010  # a SpareComm's
-            self.handover(*pending)
+        if getattr(self.comm, "pending_handover", False):
+            setattr(self.comm, "pending_handover", False)  # noqa: B010  # a SpareComm's
+            self.comm.hand_over()       # type: ignore[attr-defined]
 
     # -- the replicated state ----------------------------------------------------
     def _tensors(self) -> dict[str, Any]:
@@ -341,30 +340,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._committed_buffers is not None:
             self._keep_committed_buffers()
 
-    def handover(self, root: int, attempt: int = 0, *, receive: bool = False) -> None:
-        """Hand the committed state to ranks that take dead ranks' places (spares), from comm rank `root`.
+    def handover(self, root: int = 0, attempt: int = 0, *, receive: bool = False) -> None:
+        """A rank that took a dead rank's slot (a spare, a newcomer): take the survivors' committed state.
 
-        Survivors send (attempt: the number of the attempt that comes next, so a
-        newcomer's audit lines line up); a newcomer calls it with receive=True.
+        A spare that took its slot during start-up joins the initial broadcast instead, as the survivors
+        start it over with it.  (root, attempt, receive: kept for callers of the older signature; the
+        communicator picks the sender and tells the attempt.)
         """
-        if not receive:
-            faults.point(self.step_count, Phase.HANDOVER)
-        blob = self.comm.bcast_bytes(
-            lambda: self.get_state(buffers=self._committed_buffers) + attempt.to_bytes(8, "little"), root=root)
-        getattr(self.comm, "receivers", set()).clear()      # every newcomer has the state now
-        if receive:
-            self.set_state(blob[:-8])
-            self.comm.start_attempts_at(int.from_bytes(blob[-8:], "little"))
+        if (getattr(self.comm, "takeover", None) or {}).get("startup"):
+            self.broadcast_state()
+        else:
+            self.comm.hand_over()       # type: ignore[attr-defined]  # a SpareComm's
+
+    def handover_payload(self) -> bytes:
+        """The committed state a sender hands over (buffers as of the last update)."""
+        return self.get_state(buffers=self._committed_buffers)
+
+    def take_handover(self, blob: bytes) -> None:
+        """A receiver takes the state handover_payload() made."""
+        self.set_state(blob)
 
     def _keep_committed_buffers(self) -> None:
         named = self.model.named_buffers() if self.model is not None else ()
         self._committed_buffers = {k: b.detach().clone() for k, b in named}
 
-    def broadcast_state(self) -> None:
-        """Start every rank from the lowest survivor's state (Horovod's broadcast_parameters, fault-tolerant)."""
+    def broadcast_state(self, extra: bool = False, *, finish_startup: bool = True) -> None:
+        """Start every rank from the lowest survivor's state (Horovod's broadcast_parameters, fault-tolerant).
+
+        extra: with the extra state (the sampler, which then re-plans itself for this world); without it,
+        every rank builds it alike.  finish_startup: the start-up ends here (comm.started); a repair that gave
+        slots to spares meanwhile starts the broadcast over with them.  False: the caller starts over
+        (StartOver), its start-up has more to it.
+        """
         faults.point(self.step_count, "init")
-        # Without the extra state: every rank builds it (the sampler) alike, and it may already have been re-planned.
-        self.set_state(self.comm.bcast_bytes(lambda: self.get_state(extra=False)))
+        while True:
+            try:
+                self.set_state(self.comm.bcast_bytes(lambda: self.get_state(extra=extra)))
+                break
+            except StartOver:
+                if not finish_startup:
+                    raise
+        if finish_startup:
+            self.comm.started = True
 
     def checksum(self) -> int:
         """CRC32 of parameters, buffers, optimizer state and step: equal on consistent replicas."""

@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _ftcoll, faults, forkserver, lifecycle
-from .comm import _fault_tolerant_dup, require_fault_tolerance, retire
+from .comm import _fault_tolerant_dup, agree_all_ok, require_fault_tolerance, retire
 from .modes import Phase
 from .reinit import _watchdog
 from .respawn_batch import JOIN, TAG, Batch, wait
@@ -129,7 +129,15 @@ class RespawnComm(SpareComm):
         # After a repair, or a commit agree that met a process failure (the repair is due in the next
         # transaction), the agreed bits may include a rank that is now dead, and a 100-failure soak saw them
         # differ between ranks after such an agree: decide at the next boundary.
-        if what == "step" and self.slot is not None and not (self._repaired or self._failure_seen):
+        if what == "step" and self.slot is not None and not self._repaired:
+            if not self.agreed_bits & NO_BATCH or self._batch_seen:    # uniform: a join may follow
+                # The commit agree's return code is not uniform: whether any rank met a failure in it is
+                # agreed here, so that every rank joins or none does (and all repair at the next one).
+                if not agree_all_ok(self.comm, not self._failure_seen):
+                    self._failure_seen = True
+                    return result
+            elif self._failure_seen:
+                return result               # nothing shared follows: only the lowest rank may spawn
             self._boundary()
         return result
 
@@ -145,7 +153,7 @@ class RespawnComm(SpareComm):
             self._spawn.poll(self.step)  # the owner alone: what the next commit agree says of its batch
         bits = self.agreed_bits
         # A spare that took a slot in this step is not at this boundary: it waits for the state.
-        if self.pending_handover is not None:
+        if self.pending_handover:
             return
         if not bits & NO_BATCH:
             self._batch_seen = True
@@ -209,8 +217,8 @@ class RespawnComm(SpareComm):
         # Open MPI 5.0.x's MPI_Intercomm_merge never returns when a member is dead (its context-id allocation
         # loops), and revoking does not free it: merge only when every survivor holds the intercommunicator and
         # is alive (uniform), and bound the merge itself, which leaves a window of about 16 ms.
-        flag, status = _ftcoll.agree(self.world, ok)
-        if flag and status == _ftcoll.OK and inter is not None:
+        go = agree_all_ok(self.world, bool(ok))
+        if go and inter is not None:
             faults.point(self.step, Phase.MERGE)
             timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint "
                               "(--ckpt-dir, under `ulfmtrain supervise`)", why="a process died inside "
@@ -225,16 +233,16 @@ class RespawnComm(SpareComm):
                 ok = 0
             timer.close()
             # Uniform among the survivors again before the new world is used.
-            flag, status = _ftcoll.agree(self.world, ok)
-        if flag and status == _ftcoll.OK and world is not None:
+            go = agree_all_ok(self.world, bool(ok))
+        if go and world is not None:
             try:
                 info = world.bcast({"slots": self.slots, "history": self.world_history, **times} if s
                                    else None, root=0)
                 held = world.allgather(self.slot)
-                flag, status = _ftcoll.agree(world, 1)
             except MPI.Exception:
-                flag = 0
-        if not (flag and status == _ftcoll.OK) or world is None:
+                ok = 0
+            go = agree_all_ok(world, bool(ok))      # the newcomer takes part: it leaves unless all went through
+        if not go or world is None:
             for c in (world, inter, pool):
                 if c is not None:
                     _ftcoll.revoke(c)     # a newcomer waiting on them leaves
@@ -249,7 +257,7 @@ class RespawnComm(SpareComm):
         self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,
                      size_after=self.size, join_ms=(time.perf_counter() - t0) * 1e3, **times)
         if plan["taken"] and self.handover is not None:
-            self.pending_handover = (plan["root"], 0)   # after this step's update (DistributedOptimizer.step)
+            self.pending_handover = True    # after this step's update (DistributedOptimizer.step)
 
     def _take_world(self, world: MPI.Intracomm, held: list[int | None]) -> dict[str, Any]:
         """Everyone, survivors and newcomers: the lowest newcomers take the empty slots; split in slot order."""
@@ -263,14 +271,14 @@ class RespawnComm(SpareComm):
             retire(old)
         if getattr(self, "comm", MPI.COMM_NULL) != MPI.COMM_NULL:
             retire(self.comm)
-        self.comm = self._split()
+        self.comm = self._split(self.slot)
         if self.comm != MPI.COMM_NULL:
             _ftcoll.agree(self.comm, 1)     # before first use: no peer is still creating it
         self.world_rank = self.slot if self.slot is not None else -1
         self.alive = sorted(survivors + list(taken))
         self.receivers |= set(taken)
         self.spares_left = len(newcomers) - len(taken)
-        return {"taken": taken, "spares": self.spares_left, "root": self.alive.index(min(survivors))}
+        return {"taken": taken, "spares": self.spares_left}
 
     def close(self) -> None:
         """Training ranks, at the end: send a batch in flight or waiting away, then release the spares."""
@@ -292,7 +300,7 @@ class RespawnComm(SpareComm):
             importlib.import_module(module)
         if fail_before_ready:
             raise RuntimeError("the kill schedule's `newcomer` phase: this respawned process fails before it is ready")
-        self.slot, self.handover, self.pending_handover, self.takeover = None, None, None, None
+        self.slot, self.handover, self.pending_handover, self.takeover = None, None, False, None
         code = np.zeros(2, dtype=np.int64)
         try:
             parent.Set_errhandler(MPI.ERRORS_RETURN)
@@ -312,20 +320,23 @@ class RespawnComm(SpareComm):
             merged = MPI.Intracomm(inter.Merge(high=True))
             world = _fault_tolerant_dup(merged)
             retire(merged)
-            info = world.bcast(None, root=0)
-            held = world.allgather(None)
-            flag, status = _ftcoll.agree(world, 1)
-            if not (flag and status == _ftcoll.OK):
+            try:
+                info = world.bcast(None, root=0)
+                held = world.allgather(None)
+                ok = True
+            except MPI.Exception:
+                ok = False
+            if not agree_all_ok(world, ok):      # as the survivors decide it
                 raise self._leave(timer, "a process failed during the join")
         except MPI.Exception as exc:
             raise self._leave(timer, f"the survivors went away ({exc.Get_error_string()})") from None
         self.slots = info["slots"]
         self._setup(MPI.Intracomm(MPI.COMM_NULL), -1, [])
-        plan = self._take_world(world, held)
+        self._take_world(world, held)
         timer.close()
         self.world_history = info["history"] + [self.size]
         if self.slot is not None:
-            self.takeover = {"slot": self.slot, "root": plan["root"]}
+            self.takeover = {"slot": self.slot, "startup": False, "root": 0}
         self.joined = {"status": "newcomer", "slots": [] if self.slot is None else [self.slot],
                        "t_start": t_start, "ready_s": t_ready - t_start, "t_joined": time.time(),
                        "world": self.size, "forked": os.environ.get(forkserver.FORKED_ENV) == "1"}

@@ -15,14 +15,32 @@ empty are removed as in shrink mode.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from typing import Protocol
 
+import numpy as np
 from mpi4py import MPI
 
-from . import _ftcoll, lifecycle
-from .comm import FaultTolerantComm, RecoveryEvent, _fault_tolerant_dup, require_fault_tolerance, retire
+from . import _ftcoll, faults, lifecycle
+from .comm import (
+    FaultPathError,
+    FaultTolerantComm,
+    RecoveryEvent,
+    StartOver,
+    _fault_tolerant_dup,
+    agree_all_ok,
+    require_fault_tolerance,
+    retire,
+)
+from .modes import Phase
 
 WAIT_POLL_S = 0.005     # a waiting spare tests its barrier this often: no core spins
+
+
+class StateHolder(Protocol):
+    """What sends and takes the committed state in a hand-over (DistributedOptimizer)."""
+
+    def handover_payload(self) -> bytes: ...
+    def take_handover(self, blob: bytes) -> None: ...
 
 
 class SpareComm(FaultTolerantComm):
@@ -43,10 +61,10 @@ class SpareComm(FaultTolerantComm):
         me = world.Get_rank()
         self.slot: int | None = me if me < self.slots else None
         self.spares_left = spares
-        self.handover: Callable[[int, int], None] | None = None   # (root, next attempt) -> state sent/received
-        self.pending_handover: tuple[int, int] | None = None    # a respawn join: after the step's update
-        self.takeover: dict | None = None      # a spare that took a slot: which slot, and the root of the handover
-        self._setup(self._split(), -1 if self.slot is None else self.slot, list(range(self.slots)))
+        self.handover: StateHolder | None = None   # what sends and takes the state (a DistributedOptimizer)
+        self.pending_handover = False           # a respawn join: hand over after the step's update
+        self.takeover: dict | None = None      # a spare that took a slot: which slot, and whether in start-up
+        self._setup(self._split(self.slot), -1 if self.slot is None else self.slot, list(range(self.slots)))
         lifecycle.arm_at_exit()
 
     @property
@@ -61,55 +79,135 @@ class SpareComm(FaultTolerantComm):
     def size(self) -> int:
         return len(self.alive)        # the training communicator's size, also on a waiting spare
 
-    def _split(self) -> MPI.Intracomm:
-        comm = self.world.Split(0 if self.slot is not None else MPI.UNDEFINED, self.slot or 0)
+    def _split(self, slot: int | None) -> MPI.Intracomm:
+        comm = self.world.Split(0 if slot is not None else MPI.UNDEFINED, slot or 0)
         if comm != MPI.COMM_NULL:
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         return MPI.Intracomm(comm)
 
     # -- the world: who holds which slot after a failure --------------------------
     def _repair_world(self) -> dict:
-        """Repair the world with every live rank (training or waiting); give dead slots to waiting spares."""
-        old = self.world
-        fresh, report = _ftcoll.repair(old)
-        retire(old)
-        self.world = fresh
-        slots = fresh.allgather(-1 if self.slot is None else self.slot)
-        dead = sorted(set(self.alive) - set(slots))    # slots removed earlier are not dead again
-        waiting = [r for r, s in enumerate(slots) if s == -1]
-        taken = dict(zip(dead, waiting))
-        if self.slot is None and fresh.Get_rank() in taken.values():
-            self.slot = next(s for s, r in taken.items() if r == fresh.Get_rank())
+        """Repair the world with every live rank (training or waiting); give dead slots to waiting spares.
+
+        One loop: a death at any moment of it (the shrink, the allgather, the split) is met alike by every
+        live rank (an agree on "all of it went through here") and the world is repaired again.
+        """
+        total = {"revoke_ms": 0.0, "shrink_ms": 0.0, "agree_ms": 0.0, "shrinks": 0}
+        while True:
+            old = self.world
+            fresh, report = _ftcoll.repair(old)
+            retire(old)
+            self.world = fresh
+            for k in total:
+                total[k] += report[k]
+            comm, slot, ok = MPI.Intracomm(MPI.COMM_NULL), self.slot, True
+            try:
+                # (slot or -1, waiting for the state: a rank that took a slot in a repair whose hand-over failed)
+                mine = (-1 if self.slot is None else self.slot, self.slot is not None and self.slot in self.receivers)
+                held = fresh.allgather((*mine, int(self.started)))
+                slots = [h[0] for h in held]
+                dead = sorted(set(self.alive) - set(slots))    # slots removed earlier are not dead again
+                waiting = [r for r, s in enumerate(slots) if s == -1]
+                taken = dict(zip(dead, waiting))
+                if slot is None and fresh.Get_rank() in taken.values():
+                    slot = next(s for s, r in taken.items() if r == fresh.Get_rank())
+                comm = self._split(slot)
+            except MPI.Exception:
+                ok = False
+            if agree_all_ok(fresh, ok):
+                break
+            if comm != MPI.COMM_NULL:
+                retire(comm)
+            _ftcoll.revoke(fresh)       # every live rank repairs again (a waiting spare wakes too)
+        self.slot = slot
         self.spares_left = len(waiting) - len(taken)
         if self.comm != MPI.COMM_NULL:
             retire(self.comm)
-        self.comm = self._split()
+        self.comm = comm
         self.world_rank = self.slot if self.slot is not None else -1
         survivors = [s for s in slots if s >= 0]
         self.alive = sorted(survivors + list(taken))
+        self.receivers = {s for s, r, _ in held if r and s in self.alive} | set(taken)
         self.world_history.append(self.size)
-        return {"report": report, "replaced": {s: int(r) for s, r in taken.items()},
-                "removed": sorted(set(dead) - set(taken)), "root": min(survivors, default=0)}
+        startup = not all(h[2] for h in held if h[0] >= 0 and not h[1])
+        senders = [s for s in survivors if s not in self.receivers]
+        return {"report": total, "replaced": {s: int(r) for s, r in taken.items()},
+                "removed": sorted(set(dead) - set(taken)), "root": min(senders, default=-1), "startup": startup}
 
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
-        size_before, wall_error = self.size, time.time() - (MPI.Wtime() - t_error)
-        _ftcoll.revoke(self.world)          # wakes the waiting spares
-        plan = self._repair_world()
-        r = plan["report"]
-        event = RecoveryEvent(
-            step=self.step, what=what, committed=committed, wall_error=wall_error,
-            detect_ms=(t_error - t_start) * 1e3, commit_agree_ms=agree_ms, revoke_ms=r["revoke_ms"],
-            shrink_ms=r["shrink_ms"], agree_ms=r["agree_ms"], shrinks=r["shrinks"], size_before=size_before,
-            size_after=self.size, removed=plan["removed"], extra={"replaced": plan["replaced"]})
-        self.events.append(event)
-        for fn in self._listeners:
-            fn(event)
-        if plan["replaced"] and self.handover is not None:
+        """Repair, then hand the committed state to the ranks that took slots; a death in either: again.
+
+        During start-up (before the initial state is agreed) the ranks that took slots are handed nothing:
+        every rank, survivors and newcomers, starts the start-up over together (StartOver).
+        """
+        attempt = 0 if committed else self._attempt + 1
+        while True:
+            size_before, wall_error = self.size, time.time() - (MPI.Wtime() - t_error)
+            _ftcoll.revoke(self.world)          # wakes the waiting spares
+            plan = self._repair_world()
+            r = plan["report"]
+            event = RecoveryEvent(
+                step=self.step, what=what, committed=committed, wall_error=wall_error,
+                detect_ms=(t_error - t_start) * 1e3, commit_agree_ms=agree_ms, revoke_ms=r["revoke_ms"],
+                shrink_ms=r["shrink_ms"], agree_ms=r["agree_ms"], shrinks=r["shrinks"], size_before=size_before,
+                size_after=self.size, removed=plan["removed"], extra={"replaced": plan["replaced"]})
+            self.events.append(event)
+            for fn in self._listeners:
+                fn(event)
+            if plan["startup"] and self.receivers:
+                self.receivers.clear()
+                raise StartOver
+            if not self.receivers or self.handover is None:
+                return
             # The newcomers get the committed state: an aborted step is then redone with them.
-            self.receivers |= set(plan["replaced"])
             t0 = MPI.Wtime()
-            self.handover(self.alive.index(plan["root"]), 0 if committed else self._attempt + 1)
+            done = self._hand_over_once(attempt)
             event.extra["handover_ms"] = (MPI.Wtime() - t0) * 1e3   # the newcomers' start-up included
+            if done:
+                return
+            what, committed, t_start = "handover", True, MPI.Wtime()
+            t_error, agree_ms = t_start, 0.0
+
+    # -- the hand-over: one attempt, inside the repair loop -------------------------
+    def _hand_over_once(self, attempt: int) -> bool:
+        """Senders send, receivers take the committed state (with the attempt that comes next); True if every
+        live slot got it (uniform), False if a rank died meanwhile (then every rank repairs again)."""
+        assert self.handover is not None
+        senders = [i for i, w in enumerate(self.alive) if w not in self.receivers]
+        if not senders:
+            raise FaultPathError("every rank that held the state to hand over has died")
+        src, receiving = senders[0], self.world_rank in self.receivers
+        if not receiving:
+            faults.point(self.step, Phase.HANDOVER)
+        size = np.zeros(1, dtype=np.int64)
+        data = np.empty(0, dtype=np.uint8)
+        if self.rank == src:
+            data = np.frombuffer(bytearray(self.handover.handover_payload() + attempt.to_bytes(8, "little")),
+                                 dtype=np.uint8)
+            size[0] = data.size
+        status = _ftcoll.bcast_try(self.comm, size, src)
+        if status == _ftcoll.OK:
+            if self.rank != src:
+                data = np.empty(int(size[0]), dtype=np.uint8)
+            status = _ftcoll.bcast_try(self.comm, data, src)
+        if not agree_all_ok(self.comm, status == _ftcoll.OK):
+            return False
+        if receiving:
+            blob = data.tobytes()
+            self.handover.take_handover(blob[:-8])
+            self.start_attempts_at(int.from_bytes(blob[-8:], "little"))
+            self.started = True
+        self.receivers.clear()
+        return True
+
+    def hand_over(self) -> None:
+        """Outside a repair (a spare that took a slot, a respawn join at a step boundary): the hand-over, until
+        every live slot has the state; a death meanwhile re-enters the repair (which hands over again)."""
+        if self.handover is None or not self.receivers:
+            return
+        if not self._hand_over_once(0):
+            t = MPI.Wtime()
+            self._repair("handover", True, t, t, 0.0)
 
     # -- a spare ------------------------------------------------------------------
     def wait_for_slot(self) -> bool:
@@ -123,8 +221,10 @@ class SpareComm(FaultTolerantComm):
             except MPI.Exception:
                 plan = self._repair_world()   # a failure somewhere: maybe a slot for me
                 if self.slot is not None:
-                    self.takeover = {"slot": self.slot, "root": self.alive.index(plan["root"])}
-                    self.receivers |= set(plan["replaced"])
+                    # During start-up the survivors start it over with me; later they hand me their state.
+                    # (root: the comm rank that sends the state, for callers of opt.handover(root, receive=True))
+                    self.takeover = {"slot": self.slot, "startup": plan["startup"],
+                                     "root": self.alive.index(plan["root"]) if plan["root"] >= 0 else 0}
         return True
 
     def release_spares(self) -> None:

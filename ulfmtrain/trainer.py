@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from . import faults
 from .atomic import write_json
 from .checkpoint.checkpointer import Checkpointer
+from .comm import StartOver
 from .data.format import DatasetFile
-from .data.plan import holdings_of, plan_recovery, ranges_len
+from .data.plan import holdings_of, merge_ranges, plan_recovery, ranges_len
 from .data.sampler import EpochSampler
 from .data.shard import LocalShard
 from .device import model_device
@@ -148,6 +149,11 @@ class Trainer:
         here = holdings_of(self.train.count, self.comm.alive)
         if self.sampler.holdings != here:
             self.sampler.rebalance(here)
+        # The shard follows: a repair during the restore (or the initial broadcast) moved it to its recovery
+        # plan, and the sampler now queues this world's initial shards.
+        mine = merge_ranges(self.sampler.holdings[self.comm.world_rank])
+        if self.shard.holdings != mine:
+            self.shard.retarget(mine)
 
     # -- one step ------------------------------------------------------------
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,15 +252,16 @@ class Trainer:
         # Every rank starts from one state: the checkpoint a resume restores, or the lowest rank's;
         # a spare that takes a dead rank's slot gets the survivors' live state.
         takeover = getattr(self.comm, "takeover", None)
-        if takeover is not None:
-            self.opt.handover(takeover["root"], receive=True)
+        if takeover is not None and not takeover.get("startup"):
+            self.opt.handover(receive=True)
             if self.sampler.epoch_done():      # it joins after a step that closed an epoch, as the survivors did
                 self._next_epoch()
-        elif self.checkpointer is None or not self.checkpointer.resume:
-            if self._broadcast:
-                self.opt.broadcast_state()
-        if self.checkpointer is not None:
-            self.checkpointer.begin(self, joining=takeover is not None)
+            if self.checkpointer is not None:
+                self.checkpointer.begin(self, joining=True)
+        else:
+            # A spare that took a slot during start-up starts it with the survivors, as a fresh trainer.
+            self._awaiting_state = False
+            self._start_up()
         self.log("start", host=socket.gethostname(), pid=os.getpid(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets), device=str(self.device))
@@ -265,6 +272,23 @@ class Trainer:
             return self._finish(t_start)      # its final check is a collective too: still watched
         finally:
             watchdog.close()
+
+    def _start_up(self) -> None:
+        """The start-up, a transaction like a step: the initial state (the lowest rank's, or the checkpoint a
+        resume restores), then the checkpoint set-up.  A repair in it that gives slots to spares starts it over
+        with them (StartOver); any other repair is redone in place."""
+        while True:
+            try:
+                if self.checkpointer is None or not self.checkpointer.resume:
+                    if self._broadcast:
+                        # With the sampler: a repair may have re-planned it; it re-plans itself for this world.
+                        self.opt.broadcast_state(extra=True, finish_startup=False)
+                if self.checkpointer is not None:
+                    self.checkpointer.begin(self)
+                break
+            except StartOver:
+                continue
+        self.comm.started = True
 
     def _train(self, watchdog: Watchdog) -> None:
         """The steps, to the last epoch."""

@@ -5,6 +5,7 @@ implements that protocol (the Trainer, a test double) can be checkpointed.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .. import faults
-from ..modes import CheckpointStrategy, parse
+from ..modes import CheckpointStrategy, Phase, parse
 from .format import (
     CheckpointError,
     Snapshot,
@@ -138,6 +139,11 @@ def capture(state: TrainingState) -> Snapshot:
         sections={"replica": state.replica_state(), "rng": pickle.dumps(rng_state(), protocol=5)})
 
 
+def _job_id() -> str:
+    """This mpirun job's name (the same on every rank and spare of it), or '' outside mpirun."""
+    return os.environ.get("PMIX_NAMESPACE", "")
+
+
 class Checkpointer:
     """Save at step boundaries (every K steps and/or every epoch) and restore on resume.
 
@@ -247,17 +253,26 @@ class Checkpointer:
         problem = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            if has_checkpoint(self.directory):
-                ptr = read_pointer(self.directory)
+            ptr = read_pointer(self.directory) if has_checkpoint(self.directory) else None
+            if ptr is not None and ptr["step"] == 0 and _job_id() and self._marker().is_file() \
+                    and self._marker().read_text() == _job_id():
+                pass    # this job's own step-0 checkpoint: a death at start-up started the start-up over
+            elif has_checkpoint(self.directory):
                 what = f"step {ptr['step']}" if ptr else "old checkpoint files"
                 problem = (f"checkpoint directory '{self.directory}' already holds checkpoints ({what}) and "
                            "this run does not resume: pass --resume to continue from them, or use an empty --ckpt-dir")
             else:
                 remove_stale_temporaries(self.directory)
+                if _job_id():
+                    self._marker().write_text(_job_id())
         except OSError as exc:
             problem = (f"checkpoint directory '{self.directory}' cannot be created ({exc.strerror}): "
                        "pass a writable --ckpt-dir")
         return problem
+
+    def _marker(self) -> Path:
+        """Which job started training in this directory (a start-up that starts over finds its own step 0)."""
+        return self.directory / ".started-by"
 
     def after_step(self, state: TrainingState) -> None:
         """At a step boundary: save if K steps have passed or an epoch ended (the same on every rank)."""
@@ -330,6 +345,7 @@ class Checkpointer:
     def _restore(self) -> None:
         state = self._training
         t0 = time.perf_counter()
+        faults.point(state.step, Phase.INIT)     # a resume's initial state is the restore
         # Re-read by whichever rank is lowest when the broadcast is (re)tried.
         msg = state.comm.bcast_obj(self._load_for_restore)
         if msg[0] == "error":
