@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from . import _ftcoll, lifecycle
 from .comm import FaultTolerantComm, RecoveryEvent, _fault_tolerant_dup, require_fault_tolerance, retire
+from .device import local_rank
 
 WAIT_POLL_S = 0.005     # a waiting spare tests its barrier this often: no core spins
 
@@ -46,6 +47,7 @@ class SpareComm(FaultTolerantComm):
         self.handover: Callable[[int, int], None] | None = None   # (root, next attempt) -> state sent/received
         self.pending_handover: tuple[int, int] | None = None    # a respawn join: after the step's update
         self.takeover: dict | None = None      # a spare that took a slot: which slot, and the root of the handover
+        self.placement: list[int] = world.allgather(local_rank())   # slot s keeps launch rank s's GPU (device.py)
         self._setup(self._split(), -1 if self.slot is None else self.slot, list(range(self.slots)))
         lifecycle.arm_at_exit()
 
