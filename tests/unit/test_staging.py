@@ -229,3 +229,19 @@ def test_an_exception_in_backward_leaves_no_state_for_the_next_step(streams):
         return opt.checksum()
 
     assert train(True) == train(False)
+
+
+def test_an_exception_in_backward_after_a_bucket_was_sent_is_one_clear_error():
+    """The peers are inside the step's reduction: this rank cannot join it again, and says so."""
+    model, data = model_and_data(bn=False)
+    body, head = torch.nn.Sequential(*list(model)[:1]), torch.nn.Sequential(*list(model)[1:])
+    opt = FTSGD(model.parameters(), FailingComm(), lr=0.1, model=model, bucket_bytes=256, overlap=True)
+    x, y = data[0]
+    opt.zero_grad()
+    opt.begin_step(5)
+    _Boom.armed = True          # raises at the input layer: the head's buckets were sent already
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.nn.functional.cross_entropy(head(_Boom.apply(body(x))), y).backward()
+    with pytest.raises(OverlapError, match="cannot join it again"):
+        opt.begin_step(5)
+    opt.close()
