@@ -75,9 +75,10 @@ class _StandInEvent:
         self.stream: _StandInStream | None = None
 
     def record(self, stream: _StandInStream) -> None:
-        self.stream, self.done = stream, False
-        stream.pending.append(self)
-        self.owner.note("record", self.n)
+        with self.owner.lock:
+            self.stream, self.done = stream, False
+            stream.pending.append(self)
+            self.owner.note("record", self.n)
 
     def synchronize(self) -> None:
         self.owner.note("sync", self.n)
@@ -146,8 +147,9 @@ class StandInStreams:
     def enqueue(self, stream: _StandInStream, fn: Callable[[], None]) -> None:
         # The host thread is the current stream: what it did before is done, so the side stream's work
         # sees it.  The work itself is deferred, as on a GPU.
-        self.note("enqueue", stream.n)
-        stream.pending.append(fn)
+        with self.lock:
+            self.note("enqueue", stream.n)
+            stream.pending.append(fn)
 
     def wait_on_current(self, event: _StandInEvent) -> None:
         self.note("wait_on_current", event.n)
