@@ -14,15 +14,18 @@ several ranks may share one GPU), side by side in balanced rounds:
 
 Goals (issue 9): FT-SGD at least 1.5x DDP-gloo's step throughput at 2 and 4
 ranks on one GPU; the overlapped step within 1.2x of max(compute, allreduce).
-`--device cpu` runs the same measurements on CPU tensors (overlap on CPU).
-Without a GPU, `--device cuda` stops with one line.
+`--device cpu` runs the same measurements on CPU tensors (overlap on CPU);
+`--device standin` on CPU tensors through the staged (GPU) path's CPU stand-in
+(streams.py: its ordering checks, not its speed).  Without a GPU, `--device cuda`
+says so in one line and measures nothing.
 
-Usage: python benchmarks/bench_gpu.py [--ranks 2 4] [--device cuda|cpu] [--model resnet18] [--batch 128]
+Usage: python benchmarks/bench_gpu.py [--ranks 2 4] [--device cuda|cpu|standin] [--model resnet18] [--batch 128]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -103,7 +106,11 @@ def _step_impls(world: Any, a: argparse.Namespace, device: Any) -> tuple[dict[st
     model_c = clone()
     F.cross_entropy(model_c(xs[0]), ys[0]).backward()
     opt_c = FTSGD(model_c.parameters(), FaultTolerantComm(), lr=0.0, model=model_c)
-    impls["allreduce"] = lambda: opt_c.synchronize(samples=a.batch)
+
+    def allreduce() -> None:
+        opt_c.begin_step(a.batch)      # a new step: synchronize() reduces again (it is idempotent within one)
+        opt_c.synchronize(samples=a.batch)
+    impls["allreduce"] = allreduce
     return impls, opt
 
 
@@ -153,7 +160,8 @@ def worker(argv: list[str]) -> None:
                                           "ftsgd_overlap/ddp_gloo": ("ftsgd_overlap", "ddp_gloo"),
                                           "ftsgd_overlap/ftsgd": ("ftsgd_overlap", "ftsgd")}),
             "overlap_efficiency": {k: ms[k]["median"] / bound for k in ("ftsgd", "ftsgd_overlap")},
-            "ftsgd_replicas_equal": ft_equal, **_gpu_info(device)})
+            "ftsgd_replicas_equal": ft_equal, "staging": os.environ.get("ULFMTRAIN_STAGING", ""),
+            **_gpu_info(device)})
     import torch.distributed as dist
     dist.destroy_process_group()
     common.finalize_rank()
@@ -226,7 +234,7 @@ def plot(by_n: dict[str, Any], path: Path) -> None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--device", choices=("cuda", "cpu", "standin"), default="cuda")
     p.add_argument("--model", choices=list(SHAPES), default="resnet18")
     p.add_argument("--batch", type=int, default=128, help="per rank")
     p.add_argument("--steps", type=int, default=10, help="steps per implementation and round")
@@ -240,6 +248,10 @@ def main(argv: list[str]) -> int:
         if (why := cuda_missing()) is not None:
             print(f"bench_gpu: no GPU here ({why}): nothing measured; `--device cpu` measures the CPU path")
             return 0
+    if args.device == "standin":        # the ranks (the workers and the recovery run's) inherit it
+        from ulfmtrain.streams import STAGING_ENV
+
+        os.environ[STAGING_ENV], args.device = "standin", "cpu"
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_gpu."))
     by_n: dict[str, Any] = {}
     for n in args.ranks:

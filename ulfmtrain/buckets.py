@@ -11,7 +11,10 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 
+import numpy as np
 import torch
+
+from .streams import Streams, streams_for
 
 # MPI has no bfloat16 and Open MPI's float16 reduction is not portable: half
 # precision travels as float32 (exact for the values, and a sum of N halves is
@@ -30,24 +33,30 @@ class GradBucket:
     Gradients are views of `grad` (on the parameters' device), so backward
     accumulates straight into the buffer (DDP's gradient_as_bucket_view).  On
     CPU, a float32/float64 `grad` is the send buffer itself; half precision is
-    staged through float32.  On a GPU, `send` and `recv` are pinned host
-    buffers and `prepare` only enqueues the copy: `wait_staged` waits for it.
+    staged through float32.  A staged bucket (a GPU's, or the CPU stand-in's,
+    see streams.py) keeps `send` and `recv` in (pinned) host memory: prepare()
+    enqueues the weighting and the copy on a side stream, wait_staged() waits
+    for it, and nothing reads `send` before that wait.
     """
 
-    def __init__(self, params: list[torch.Tensor], index: int = 0) -> None:
+    def __init__(self, params: list[torch.Tensor], index: int = 0, streams: Streams | None = None) -> None:
         self.params, self.index = params, index
         self.sizes = [p.numel() for p in params]
         n, dtype, self.device = sum(self.sizes), params[0].dtype, params[0].device
         wire = wire_dtype(dtype)
         self.grad = torch.zeros(n, dtype=dtype, device=self.device)
-        self.on_device = self.device.type != "cpu"
-        if self.on_device:
-            self.send = torch.zeros(n, dtype=wire, pin_memory=True)
-            self.recv = torch.zeros(n, dtype=wire, pin_memory=True)
-            # The weighted contribution on the device, in the wire dtype (the grad itself when they agree).
-            self._dev_wire = self.grad if wire == dtype else torch.zeros(n, dtype=wire, device=self.device)
-            self._stream = torch.cuda.Stream(self.device)
-            self._staged = torch.cuda.Event()
+        self.streams = streams_for(self.device, streams)
+        self.on_device = self.streams is not None      # staged through host memory
+        self._waited = True
+        if self.streams is not None:
+            self.send = self.streams.empty(n, wire, pinned=True)
+            self.recv = self.streams.empty(n, wire, pinned=True)
+            # On the device, in the wire dtype: the weighted contribution on its way out, and the
+            # reduced sum on its way back (scaled there in float32, then rounded once to the grad's
+            # dtype).  Never the grad itself: the grad is not written behind the user's back.
+            self._dev_wire = self.streams.empty(n, wire, pinned=False)
+            self._stream = self.streams.stream()
+            self._staged = self.streams.event()
         else:
             self.send = self.grad if wire == dtype else torch.zeros(n, dtype=wire)
             self.recv = torch.zeros(n, dtype=wire)
@@ -73,35 +82,45 @@ class GradBucket:
                      for p in self.params]
             torch.cat(grads, out=self.grad)
             self.set_views()
-        if not self.on_device:
+        if self.streams is None:
             if self.send is not self.grad:
                 self.send.copy_(self.grad)
             if weight != 1.0:
                 self.send.mul_(weight)
             return
-        # After everything backward queued on the current stream; the side stream lets the
-        # next buckets' backward run meanwhile.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            if self._dev_wire is not self.grad:
-                self._dev_wire.copy_(self.grad)
+
+        def stage() -> None:          # on the side stream: the next buckets' backward runs meanwhile
+            self._dev_wire.copy_(self.grad)
             if weight != 1.0:
                 self._dev_wire.mul_(weight)
             self.send.copy_(self._dev_wire, non_blocking=True)
-            self._staged.record(self._stream)
+
+        self.streams.enqueue(self._stream, stage)
+        self._staged.record(self._stream)
+        self.streams.staged(self.send, self._staged)
+        self._waited = False
 
     def wait_staged(self) -> None:
-        """Block (without the GIL) until the device -> host copy of prepare() is done."""
-        if self.on_device:
+        """Block (without the GIL) until the device -> host copy of prepare() is done; idempotent."""
+        if self.streams is not None and not self._waited:
             self._staged.synchronize()
+            self._waited = True
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(send, recv) as MPI reads and writes them: a staged send buffer only after its copy is waited for."""
+        if self.streams is not None:
+            self.streams.read(self.send, f"bucket {self.index}'s send buffer")
+        return self.send.numpy(), self.recv.numpy()
 
     def finish(self, scale: float) -> None:
-        """Hand the reduced mean back as the gradients."""
-        if self.on_device:
-            # Stream-ordered after this step's backward; recv is not written again before the next
-            # step's staging event, which comes after this copy on the same stream.
-            self.grad.copy_(self.recv, non_blocking=True)
-            self.grad.mul_(scale)
+        """Hand the reduced mean back as the gradients (rounded once to their dtype)."""
+        if self.streams is not None:
+            self.wait_staged()
+            # The side stream's reads of grad and writes of _dev_wire come before these writes.
+            self.streams.wait_on_current(self._staged)
+            self._dev_wire.copy_(self.recv, non_blocking=True)
+            self._dev_wire.mul_(scale)                    # in float32: the sum of halves can exceed 65504
+            self.grad.copy_(self._dev_wire)
             return
         self.recv.mul_(scale)
         if self.send is self.grad:
@@ -113,17 +132,28 @@ class GradBucket:
 
 
 class BufferBucket:
-    """Module buffers kept identical: floating ones averaged with the gradients, integer ones from rank 0."""
+    """Module buffers kept identical: floating ones averaged with the gradients, integer ones from rank 0.
 
-    def __init__(self, buffers: list[torch.Tensor], floating: bool) -> None:
+    Device buffers travel through one device tensor and one copy each way per attempt (not one blocking
+    copy per buffer: about 60 per ResNet-18 step).
+    """
+
+    def __init__(self, buffers: list[torch.Tensor], floating: bool, streams: Streams | None = None) -> None:
         self.buffers, self.floating = buffers, floating
         self.sizes = [b.numel() for b in buffers]
         dtype = torch.float64 if floating else torch.int64
         self.send = torch.zeros(sum(self.sizes), dtype=dtype)
         self.recv = torch.zeros_like(self.send)
+        streams = streams_for(buffers[0].device, streams)
+        self._dev = streams.empty(sum(self.sizes), dtype, pinned=False) if streams is not None else None
 
     def prepare(self, weight: float, lowest: bool) -> None:
-        torch.cat([b.detach().reshape(-1).to("cpu", self.send.dtype) for b in self.buffers], out=self.send)
+        flat = [b.detach().reshape(-1) for b in self.buffers]
+        if self._dev is not None:
+            torch.cat(flat, out=self._dev)               # converts to float64/int64 on the device
+            self.send.copy_(self._dev)                    # one blocking copy
+        else:
+            torch.cat(flat, out=self.send)
         if self.floating:
             self.send.mul_(weight)
         elif not lowest:
@@ -132,12 +162,16 @@ class BufferBucket:
     def finish(self, scale: float) -> None:
         if self.floating:
             self.recv.mul_(scale)
+        src = self.recv
+        if self._dev is not None:
+            self._dev.copy_(self.recv)
+            src = self._dev
         with torch.no_grad():
-            for b, v in zip(self.buffers, self.recv.split(self.sizes)):
+            for b, v in zip(self.buffers, src.split(self.sizes)):
                 b.copy_(v.view_as(b))
 
 
-def make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[GradBucket]:
+def make_buckets(params: list[torch.Tensor], bucket_bytes: int, streams: Streams | None = None) -> list[GradBucket]:
     """Group params into buckets of about bucket_bytes, one dtype and device each.
 
     Reverse registration order: about the order backward makes gradients
@@ -153,7 +187,7 @@ def make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[GradBuck
             size = 0
         out[-1].append(p)
         size += nbytes
-    return [GradBucket(b, i) for i, b in enumerate(out)]
+    return [GradBucket(b, i, streams) for i, b in enumerate(out)]
 
 
 def crc32_tensors(tensors: Iterable[torch.Tensor], crc: int = 0, chunk_bytes: int = 2**24) -> int:

@@ -181,7 +181,7 @@ def run(job: TrainJob) -> int:
     from .checkpoint.format import CheckpointError
     from .comm import FaultPathError, FaultToleranceUnavailable
     from .data.format import DatasetError, DatasetFile
-    from .device import select_device
+    from .device import device_for, select_device, slot_local_rank
     from .exits import fault_tolerant
     from .faults import KillSpecError, fails_before_ready, parse_kills
     from .lifecycle import finalize
@@ -218,9 +218,15 @@ def run(job: TrainJob) -> int:
             with DatasetFile(train_path) as ds:   # header, size and shape checks, same on every rank
                 shape = ds.fields[0][2]
                 classes = int(ds.meta.get("classes", 10))
-            device = select_device(job.device)
+            # The slot owns the GPU: a waiting spare builds on the CPU and moves to its slot's GPU once it
+            # has one (device_for checks --device for everyone before any spare waits).
+            spare = getattr(comm, "is_spare", False)
+            device = device_for(job.device, slot_local_rank(comm))
+            if not spare:
+                select_device(job.device, slot_local_rank(comm))
             torch.manual_seed(job.config.seed)   # the same --seed gives the same initial model, on any device
-            model = build_model(job.model, inputs=math.prod(shape), classes=classes, shape=shape).to(device)
+            model = build_model(job.model, inputs=math.prod(shape), classes=classes, shape=shape)
+            model.to("cpu" if spare else device)
         except (FaultToleranceUnavailable, KillSpecError, DatasetError, UsageError, ValueError) as exc:
             # Every rank meets these alike: one of them says it.
             if not first:
@@ -234,6 +240,7 @@ def run(job: TrainJob) -> int:
                 importlib.import_module(module)
             if not comm.wait_for_slot():
                 return end(0)     # training ended without needing me
+            model.to(select_device(job.device, slot_local_rank(comm)))     # the dead slot's GPU
             kills = [k for k in kills if k.rank != comm.world_rank]   # the dead rank's kill fired already
 
         def build(comm: Any, kills: list[Kill], resume: bool) -> Trainer:

@@ -25,6 +25,7 @@ from .comm import AttemptFailed, StartOver
 from .job import DEFAULT_BUCKET_BYTES
 from .modes import Phase
 from .overlap import Overlap
+from .streams import Streams
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -54,9 +55,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_bytes: gradients travel in buckets of about this size.
         broadcast: start every rank from the lowest rank's state (at construction).
         overlap: reduce each bucket as soon as backward has filled it, on a
-            communication thread (DDP's overlap).  Declare this rank's samples
-            before backward with begin_step(samples); accumulate micro-batches
-            inside no_sync().  Bit-identical to overlap=False.
+            communication thread, and finish the step inside backward (DDP's
+            semantics: when backward returns, the step is committed and p.grad
+            is the global mean gradient, so clip_grad_norm_ goes right after
+            backward).  Declare this rank's samples before backward with
+            begin_step(samples); accumulate micro-batches inside no_sync().
+            Bit-identical to overlap=False, where the reduction happens in
+            synchronize() or step() (clip after opt.synchronize()).
+        staging: the stream objects of staged buckets (streams.py); None picks
+            them by the parameters' device (CUDA's on a GPU).
         scale_lr: after a shrink or a join, scale each group's lr with the world size before the
             update (the linear scaling rule: an update averages size x batch samples).  The size the
             lr is set for travels in param_groups (LR_WORLD), so hand-overs and checkpoints carry it.
@@ -64,7 +71,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Comm, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 broadcast: bool = True, overlap: bool = False, scale_lr: bool = False) -> None:
+                 broadcast: bool = True, overlap: bool = False, scale_lr: bool = False,
+                 staging: Streams | None = None) -> None:
         # Not Optimizer.__init__: param_groups and state stay the wrapped optimizer's own.
         self.optimizer = optimizer
         self.comm = comm
@@ -72,9 +80,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.buckets = make_buckets(self.params, bucket_bytes)
+        self.buckets = make_buckets(self.params, bucket_bytes, staging)
         bufs = [b for b in model.buffers()] if model is not None else []
-        self._buffer_buckets = [BufferBucket(group, floating) for floating in (True, False)
+        self._buffer_buckets = [BufferBucket(group, floating, staging) for floating in (True, False)
                                 if (group := [b for b in bufs if b.is_floating_point() == floating])]
         self._count = (np.zeros(1), np.zeros(1))       # samples: this rank's, and the survivors' sum
         self.step_count = 0
@@ -85,7 +93,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._overlapped = False                   # this step's first attempt ran during backward
         self._overlap_failure: AttemptFailed | None = None
         self._weight_sent = 1.0
-        self.overlap = Overlap(self.buckets, self._begin_overlapped, self._reduce_bucket) if overlap else None
+        self._weight_synced = 1.0                  # the weight of the step reduced and not yet applied
+        self.overlap = Overlap(self.buckets, self._begin_overlapped, self._reduce_bucket,
+                               done=self.synchronize, committed=lambda: self._synchronized) if overlap else None
         self._commit_hooks: list[Callable[[], None]] = []
         self._attempt_hooks: list[Callable[[int, int], None]] = []
         self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
@@ -140,6 +150,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients in place, so they stay views of the buckets."""
+        self._synchronized = False        # a reduced step whose update was skipped (a GradScaler's inf step)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
@@ -167,9 +178,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         self.hand_over_pending()
         self._samples = samples
+        self._synchronized = False
+        if self.overlap is not None and self.overlap.dirty:
+            self.overlap.abandon()        # the last backward raised before it finished the step
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Accumulate gradients without reducing (DDP's convention): every micro-batch but the last."""
+        """Accumulate gradients without reducing (DDP's convention): every micro-batch but the last.
+
+        With overlap=True, the backward outside no_sync() reduces the accumulated gradients and finishes
+        the step; without overlap, synchronize() or step() does (no_sync() then changes nothing).
+        """
         return self.overlap.no_sync() if self.overlap is not None else contextlib.nullcontext()
 
     def _weight(self, samples: int | None) -> float:
@@ -188,9 +206,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """One bucket of the overlapped first attempt, on the communication thread."""
         if i == self._kill_index():
             faults.point(self.step_count, Phase.ALLREDUCE)
-        b = self.buckets[i]
         try:
-            self.comm.reduce_try(b.send.numpy(), b.recv.numpy(), MPI.SUM)
+            self.comm.reduce_try(*self.buckets[i].arrays(), MPI.SUM)
         except AttemptFailed as exc:
             return exc.status
         return 0
@@ -202,10 +219,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self, samples: int | None = None) -> None:
         """Average the gradients over the survivors: one transaction, committed on every rank.
 
+        Then p.grad is the mean gradient until step(); a second call before step() does nothing
+        (with overlap=True, backward already called it).
+
         Args:
             samples: this rank's samples in the batch (the weight of its
                 gradient); None counts every rank alike.
         """
+        if self._synchronized:
+            self._check_weight(samples)
+            return
         if samples is None:
             samples = self._samples
         if self.overlap is not None:
@@ -224,7 +247,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.comm.step = self.step_count
         self.comm.transaction(self._reduce, self._commit, what="step",
                               before_agree=lambda: faults.point(self.step_count, Phase.COMMIT))
-        self._synchronized = True
+        self._synchronized, self._weight_synced = True, self._weight(samples)
+
+    def _check_weight(self, samples: int | None) -> None:
+        if samples is not None and self._weight(samples) != self._weight_synced:
+            raise ValueError(f"step(samples={samples}) after a step reduced with weight {self._weight_synced}: "
+                             "with overlap, call begin_step(samples) before backward")
 
     def _reduce(self, attempt: int) -> None:
         # Buckets in order, then the sample count and the module buffers: the overlapped first
@@ -239,7 +267,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         lowest = self.comm.rank == 0
         for bb in self._buffer_buckets:       # the world may have shrunk since the last attempt
             bb.prepare(self._count[0][0], lowest)
-        pairs = [*((b.send.numpy(), b.recv.numpy()) for b in self.buckets), self._count,
+        for b in self.buckets:                # a redo after an overlapped failure: copies still in flight
+            b.wait_staged()
+        pairs = [*(b.arrays() for b in self.buckets), self._count,
                  *((bb.send.numpy(), bb.recv.numpy()) for bb in self._buffer_buckets)]
         kill_at = self._kill_index()
         # The overlapped attempt reduced the gradient buckets during backward.
@@ -274,7 +304,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        """Within this block, step() applies the update without reducing again (after synchronize())."""
+        """Within this block, step() applies the update without reducing again (after synchronize()).
+
+        Kept for Horovod-style code: step() after synchronize() never reduces again anyway.
+        """
         self._skip_sync = True
         try:
             yield
@@ -287,8 +320,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not (self._skip_sync and self._synchronized):
-            self.synchronize(samples)
+        self.synchronize(samples)         # nothing if backward (overlap) or the user already reduced
         self._synchronized = False
         faults.point(self.step_count - 1, Phase.UPDATE)
         self.optimizer.step()
@@ -412,7 +444,8 @@ class FTSGD(DistributedOptimizer):
     def __init__(self, params: Iterable[torch.Tensor], comm: Comm, lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 broadcast: bool = True, overlap: bool = False, scale_lr: bool = False) -> None:
+                 broadcast: bool = True, overlap: bool = False, scale_lr: bool = False,
+                 staging: Streams | None = None) -> None:
         sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(sgd, comm, model=model, bucket_bytes=bucket_bytes, broadcast=broadcast, overlap=overlap,
-                         scale_lr=scale_lr)
+                         scale_lr=scale_lr, staging=staging)

@@ -236,7 +236,8 @@ class RespawnComm(SpareComm):
             go = agree_all_ok(self.world, bool(ok))
         if go and world is not None:
             try:
-                info = world.bcast({"slots": self.slots, "history": self.world_history, **times} if s
+                info = world.bcast({"slots": self.slots, "history": self.world_history, "placement": self.placement,
+                                    **times} if s
                                    else None, root=0)
                 held = world.allgather(self.slot)
             except MPI.Exception:
@@ -330,7 +331,7 @@ class RespawnComm(SpareComm):
                 raise self._leave(timer, "a process failed during the join")
         except MPI.Exception as exc:
             raise self._leave(timer, f"the survivors went away ({exc.Get_error_string()})") from None
-        self.slots = info["slots"]
+        self.slots, self.placement = info["slots"], info["placement"]    # the slots' GPUs (device.py)
         self._setup(MPI.Intracomm(MPI.COMM_NULL), -1, [])
         self._take_world(world, held)
         timer.close()

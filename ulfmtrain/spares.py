@@ -31,6 +31,7 @@ from .comm import (
     require_fault_tolerance,
     retire,
 )
+from .device import local_rank
 from .modes import Phase
 
 WAIT_POLL_S = 0.005     # a waiting spare tests its barrier this often: no core spins
@@ -64,6 +65,7 @@ class SpareComm(FaultTolerantComm):
         self.handover: StateHolder | None = None   # what sends and takes the state (a DistributedOptimizer)
         self.pending_handover = False           # a respawn join: hand over after the step's update
         self.takeover: dict | None = None      # a spare that took a slot: which slot, and whether in start-up
+        self.placement: list[int] = world.allgather(local_rank())   # slot s keeps launch rank s's GPU (device.py)
         self._setup(self._split(self.slot), -1 if self.slot is None else self.slot, list(range(self.slots)))
         lifecycle.arm_at_exit()
 

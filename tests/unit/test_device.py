@@ -3,9 +3,10 @@ import numpy as np
 import pytest
 import torch
 
+from ulfmtrain import device as device_mod
 from ulfmtrain.data.format import DatasetFile
 from ulfmtrain.data.sources import synthetic_dataset
-from ulfmtrain.device import local_rank, select_device
+from ulfmtrain.device import device_for, local_rank, select_device, slot_local_rank
 from ulfmtrain.models import build_model
 from ulfmtrain.modes import UsageError
 
@@ -55,3 +56,24 @@ def test_synthetic_images_in_cifar_shape(tmp_path):
     assert x["x"].shape == (300, 3, 32, 32)
     np.testing.assert_array_equal(x["x"].reshape(300, -1), xf["x"])     # the same values, in image shape
     np.testing.assert_array_equal(x["y"], xf["y"])
+
+
+class _Slot:
+    def __init__(self, slot, placement):
+        self.slot, self.placement = slot, placement
+
+
+def test_the_slot_not_the_process_picks_the_gpu(monkeypatch):
+    """A spare (own local rank 3) or a respawned process (own local rank 0) in slot 1 takes slot 1's GPU: the
+    local rank its launch process had (mpirun's mapping may number them out of rank order)."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    monkeypatch.delenv("ULFMTRAIN_LOCAL_RANK", raising=False)
+    placement = [0, 2, 1, 3]
+    assert slot_local_rank(_Slot(1, placement)) == 2
+    assert slot_local_rank(_Slot(None, placement)) == 3        # a waiting spare: its own (it holds no GPU)
+    assert slot_local_rank(_Slot(1, None)) == 3                # a plain communicator: the process's own
+    monkeypatch.setattr(device_mod, "cuda_missing", lambda: None)   # as if torch saw 2 GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_for("cuda", 2) == torch.device("cuda", 0)    # several slots per GPU: L % G
+    assert device_for("cuda", 3) == torch.device("cuda", 1)
+    assert device_for("cpu", 3) == torch.device("cpu")

@@ -1,0 +1,45 @@
+"""Which local rank picks the GPU of a process that takes a dead slot, under mpirun --with-ft ulfm.
+
+argv: OUT MODE.  MODE "spare": 3 slots + 1 spare (4 ranks); "respawn": 3 ranks,
+a process spawned in the background takes the slot.  Rank 1 dies at step 4.
+Each launch process writes its local rank to OUT/launch<rank>.json; each
+process in a slot at the end writes OUT/rank<slot>.json: the local rank
+that picks its device (device.slot_local_rank), its own, and whether it joined.
+"""
+import json
+import os
+import sys
+
+import torch
+from mpi4py import MPI
+
+from ulfmtrain import DistributedOptimizer, faults
+from ulfmtrain.device import local_rank, slot_local_rank
+from ulfmtrain.respawn import RespawnComm
+from ulfmtrain.spares import SpareComm
+
+out, mode = sys.argv[1], sys.argv[2]
+comm = RespawnComm(0, [sys.executable, "-P", __file__, out, mode]) if mode == "respawn" else SpareComm(1)
+if getattr(comm, "joined", None) is None:     # a launch process (not a newcomer): its own local rank
+    with open(os.path.join(out, f"launch{MPI.COMM_WORLD.Get_rank()}.json"), "w") as f:
+        json.dump({"local": local_rank()}, f)
+if comm.is_spare and not comm.wait_for_slot():
+    raise SystemExit(0)
+joined = comm.takeover is not None
+faults.arm([k for k in faults.parse_kills(["1@4"]) if not joined], comm.world_rank)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model, broadcast=not joined)
+if joined:
+    opt.handover(comm.takeover["root"], receive=True)
+g = torch.Generator().manual_seed(1)
+while opt.step_count < 30:
+    faults.point(opt.step_count, "forward")
+    opt.zero_grad()
+    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+    opt.step(samples=4)
+comm.close() if isinstance(comm, RespawnComm) else comm.release_spares()
+with open(os.path.join(out, f"rank{comm.world_rank}.json"), "w") as f:
+    json.dump({"slot_local": slot_local_rank(comm), "own_local": local_rank(), "joined": joined,
+               "history": comm.world_history, "checksum": opt.checksum()}, f)
+comm.finalize()
