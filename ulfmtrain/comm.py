@@ -377,8 +377,9 @@ class FaultTolerantComm(_CommBase):
         return self.transaction(attempt, what="bcast")
 
     def finalize(self, timeout: float = 5.0, exit_code: int = 0) -> int:
-        """MPI_Finalize, bounded: after a failure it can hang (ompi #11404); non-zero exit on a hang."""
-        return lifecycle.finalize(timeout, exit_code)
+        """Leave the job with the peers; under ULFM without MPI_Finalize, which can hang after a failure
+        (exits.finalize), else MPI_Finalize bounded (non-zero exit on a hang)."""
+        return exits.finalize(timeout, exit_code)
 
 
 def _fault_tolerant_dup(base: MPI.Intracomm) -> MPI.Intracomm:

@@ -104,6 +104,16 @@ def at_exit() -> None:
         leave(failed=False)
 
 
+def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
+    """A program's explicit finalize (FaultTolerantComm.finalize): under ULFM, leave with the peers now, as at
+    the end (MPI stays initialized); else lifecycle.finalize, bounded.  Returns exit_code."""
+    if fault_tolerant():
+        at_exit()
+        return exit_code
+    from . import lifecycle
+    return lifecycle.finalize(timeout, exit_code)
+
+
 def leave(failed: bool) -> None:
     """The exit protocol (see the module's docstring); returns only when every member is leaving."""
     global _left

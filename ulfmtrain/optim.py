@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import faults
+from . import faults, stall
 from .buckets import BufferBucket, crc32_tensors, make_buckets
 from .comm import AttemptFailed, StartOver
 from .job import DEFAULT_BUCKET_BYTES
@@ -96,7 +96,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._weight_synced = 1.0                  # the weight of the step reduced and not yet applied
         self.overlap = Overlap(self.buckets, self._begin_overlapped, self._reduce_bucket,
                                done=self.synchronize, committed=lambda: self._synchronized) if overlap else None
-        self._commit_hooks: list[Callable[[], None]] = []
+        # A user's own loop is watched for a hung peer too (train has its own watchdog, which turns this off).
+        self._commit_hooks: list[Callable[[], None]] = [stall.commit_watch(
+            lambda: f"world rank {comm.world_rank} (after step {self.step_count - 1})")]
         self._attempt_hooks: list[Callable[[int, int], None]] = []
         self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         if scale_lr:

@@ -24,10 +24,13 @@ RANKS, BOUND_S = 4, 240
 MODEL = ["--model", "cnn-bn", "--bucket-bytes", "20000"]    # 4 gradient buckets
 
 
-def _ours() -> set[int]:
-    """Processes of this interpreter's jobs still running (ranks, fork servers), but not this one."""
-    out = subprocess.run(["pgrep", "-f", f"^{sys.executable} "], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()} - {os.getpid()}
+def _ours(out: Path) -> set[int]:
+    """Processes of the job writing to `out` (its ranks name it) and fork servers still running."""
+    found = set()
+    for pattern in (str(out), f"^{sys.executable} -P -m ulfmtrain.forkserver "):
+        found |= {int(p) for p in subprocess.run(["pgrep", "-f", pattern], capture_output=True,
+                                                  text=True).stdout.split()}
+    return found - {os.getpid()}
 
 
 def _train(mpi, digits_dir: Path, out: Path, kills: list[str], *extra: str) -> subprocess.CompletedProcess:
@@ -35,9 +38,9 @@ def _train(mpi, digits_dir: Path, out: Path, kills: list[str], *extra: str) -> s
             *MODEL, *extra]
     for k in kills:
         argv += ["--kill", k]
-    before = _ours()
+    before = _ours(out)
     proc = mpi.run(RANKS, argv, timeout=BOUND_S)
-    assert _ours() - before == set(), "a process of the job outlived mpirun"
+    assert _ours(out) - before == set(), "a process of the job outlived mpirun"
     return proc
 
 
@@ -72,9 +75,9 @@ def test_train_survives_sys_exit_and_sigint_with_a_spare(mpi, digits_dir, tmp_pa
     out = tmp_path / "run"
     argv = ["train", "--data", str(digits_dir), "--out", str(out), "--epochs", "2", "--audit", "--no-progress",
             *MODEL, "--spares", "1", "--kill", "2@3:backward/exit", "--kill", "3@11:commit/int"]
-    before = _ours()
+    before = _ours(out)
     proc = mpi.run(RANKS + 1, argv, timeout=BOUND_S)
-    assert _ours() - before == set(), "a process of the job outlived mpirun"
+    assert _ours(out) - before == set(), "a process of the job outlived mpirun"
     _survived(proc, out, [0, 1, 2], 2)
     assert proc.stderr.count("KeyboardInterrupt") == 1, proc.stderr[-3000:]
 
@@ -97,11 +100,11 @@ def test_a_bug_on_every_rank_ends_the_job_at_once_with_status_1(mpi, digits_dir,
 
 def _user_loop(mpi, out: Path, kills: list[str]) -> subprocess.CompletedProcess:
     out.mkdir()
-    before = _ours()
+    before = _ours(out)
     cmd = [*mpirun_prefix(RANKS), sys.executable, "-P", str(mpi.root / "tests" / "scripts" / "user_loop.py"),
            str(out), *kills]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND_S)
-    assert _ours() - before == set(), "a process of the job outlived mpirun"
+    assert _ours(out) - before == set(), "a process of the job outlived mpirun"
     return proc
 
 

@@ -45,3 +45,33 @@ def test_a_step_timeout_that_is_not_a_positive_number_is_refused(bad):
     job = TrainJob(config=TrainConfig(step_timeout=bad))
     with pytest.raises(UsageError, match="--step-timeout"):
         job.validate()
+
+
+USER_LOOP = """
+import sys, time
+from ulfmtrain import stall
+pet = stall.commit_watch(lambda: "world rank 2 (after step 9)")
+pet()                              # the first committed step starts it
+def in_ulfmtrain():                # the main thread waits in a collective: a frame of the package
+    time.sleep({wait})
+in_ulfmtrain.__code__ = in_ulfmtrain.__code__.replace(co_filename=stall.__file__)
+time.sleep({own})                  # the program's own work after its last step: not a hang
+in_ulfmtrain()
+print("ended")
+"""
+
+
+def user_loop(env: str, own: float, wait: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", USER_LOOP.format(own=own, wait=wait)], capture_output=True,
+                          text=True, timeout=60, env={**__import__("os").environ, "ULFMTRAIN_STEP_TIMEOUT": env})
+
+
+def test_a_users_loop_is_watched_by_default_only_while_it_waits_in_ulfmtrain():
+    # 2 s of its own work past a 0.5 s bound: quiet; then 30 s in a collective: ended with one line and status 3.
+    proc = user_loop("0.5", own=2.0, wait=30)
+    assert proc.returncode == STALL_EXIT_CODE and "ended" not in proc.stdout, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "world rank 2 (after step 9) has waited in a collective" in proc.stderr
+    assert user_loop("0.5", own=2.0, wait=0).returncode == 0             # its own work past the bound: quiet
+    assert user_loop("off", own=0.1, wait=2.0).returncode == 0           # off
+    bad = user_loop("soon", own=0, wait=0)
+    assert bad.returncode == 1 and "ULFMTRAIN_STEP_TIMEOUT='soon' is not a positive number" in bad.stderr
