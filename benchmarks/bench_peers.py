@@ -421,18 +421,7 @@ def main(argv: list[str]) -> int:
         if key.endswith("failure-free") and ddp_step and s["step_s"]:
             s["step_over_ddp"] = s["step_s"]["median"] / ddp_step["median"]
         summary[key] = s
-    rows = []
-    for key, s in summary.items():
-        med = lambda k: common.fmt(s[k]["median"]) if s.get(k) else "-"  # noqa: E731
-        full = med("kill_to_full_world_s") if not s["never_full_again"] else "never (shrunk)"
-        if key.endswith("failure-free"):
-            full = "-"
-        rows.append([key, common.fmt(s.get("step_over_ddp")), med("kill_to_next_commit_s"), full,
-                     med("min_world_after_kill"), med("wall_lost_s"),
-                     f"{med('records_lost')} / {med('records_repeated')}", med("steps_redone"),
-                     "yes" if s["identical_all"] else "NO"])
-    tab = common.table(["system | phase", "step / DDP", "kill -> next commit s", "back to 4 ranks s",
-                        "min ranks", "wall lost s", "records lost / repeated", "steps redone", "identical"], rows)
+    tab = render(summary)
     print("\n" + tab + f"\n\n(medians of {args.repeats} runs; all jobs {total_s:.0f} s)")
 
     args.results.mkdir(parents=True, exist_ok=True)
@@ -458,6 +447,22 @@ def main(argv: list[str]) -> int:
 
 
 FAILURE_FREE_NAME = {"ddp+torchrun": "ddp", "torchft default": "torchft", "ulfmtrain shrink": "ulfmtrain"}
+
+
+def render(summary: dict[str, dict[str, Any]]) -> str:
+    """The Markdown table of the medians (system and phase in two columns)."""
+    rows = []
+    for key, s in summary.items():
+        med = lambda k: common.fmt(s[k]["median"]) if s.get(k) else "-"  # noqa: E731
+        full = med("kill_to_full_world_s") if not s["never_full_again"] else "never (shrunk)"
+        if key.endswith("failure-free"):
+            full = "-"
+        rows.append([*key.split(" | "), common.fmt(s.get("step_over_ddp")), med("kill_to_next_commit_s"), full,
+                     med("min_world_after_kill"), med("wall_lost_s"),
+                     f"{med('records_lost')} / {med('records_repeated')}", med("steps_redone"),
+                     "yes" if s["identical_all"] else "NO"])
+    return common.table(["system", "phase", "step / DDP", "kill -> next commit s", "back to 4 ranks s",
+                         "min ranks", "wall lost s", "records lost / repeated", "steps redone", "identical"], rows)
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, png: Path) -> None:
