@@ -371,6 +371,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--venv", type=Path, default=common.HERE / ".venv-peers",
                    help="the virtualenv for torchft (made once; default benchmarks/.venv-peers)")
     p.add_argument("--no-torchft", action="store_true", help="leave torchft out")
+    p.add_argument("--no-failure-free", action="store_true",
+                   help="only the kill runs (no step-time ratio; the smoke test's shortcut)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None, help="keep the logs here (default: a temp dir, removed)")
     args = p.parse_args(argv)
@@ -394,7 +396,8 @@ def main(argv: list[str]) -> int:
     t_all = time.perf_counter()
     for rep in range(args.repeats):
         # Failure-free first, then the kills, interleaved so that the machine's drift hits every system alike.
-        jobs = [(FAILURE_FREE[s], None) for s in systems] + [(c, ph) for ph in args.phases for c in configs]
+        jobs = [(FAILURE_FREE[s], None) for s in systems if not args.no_failure_free]
+        jobs += [(c, ph) for ph in args.phases for c in configs]
         for config, phase in jobs:
             name = f"{FAILURE_FREE_NAME.get(config, config) if phase is None else config}"
             run = run_job(config, phase, args, work, data, ft_py)

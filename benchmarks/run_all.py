@@ -1,6 +1,7 @@
 """Run the benchmarks one after the other and print their key figures (what `make bench` runs).
 
-At the default sizes this takes about 15 minutes on a 2-core machine.
+At the default sizes this takes about 15 minutes on a 2-core machine, plus bench_peers (about 23 minutes on the
+shared 2-core box, and a one-time install of torchft into benchmarks/.venv-peers; `--only` leaves it out).
 `--quick` runs each at its smallest size instead (the smoke tests use the same
 settings), which takes about a minute.
 
@@ -40,7 +41,8 @@ QUICK_ARGS = {
     "spawn_link": ["--sizes", "4096", "--reps", "5", "--rounds", "1"],
     "startup": ["--ranks", "2", "--spawns", "1", "--rounds", "1"],
     "peers": ["--repeats", "1", "--epochs", "3", "--kill-step", "12", "--ckpt-every", "8", "--phases", "between",
-              "--configs", "ddp+torchrun", "ulfmtrain shrink", "--no-torchft"],
+              "--configs", "ddp+torchrun", "ulfmtrain shrink", "--no-torchft",
+              "--no-failure-free"],
 }
 
 

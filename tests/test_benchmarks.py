@@ -136,15 +136,15 @@ def test_bench_startup(tmp_path: Path) -> None:
     assert data["headline"]["spawn_s_default_over_launcher"] == ratio
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_bench_peers_ddp_and_ulfmtrain_one_kill(tmp_path: Path) -> None:
     # torchft is left out (--no-torchft): its virtualenv is a ~5-minute install from the package registry that
-    # CI cannot be relied on to have; the committed table is checked against its JSON below instead.
-    data = run_quick("peers", tmp_path, 140)
+    # CI cannot be relied on to have; the committed table is checked against its JSON below instead.  Two jobs
+    # (no failure-free runs): about 30 s on an idle 2-core box, several times that under other tests' load.
+    data = run_quick("peers", tmp_path, 230)
     assert "torchft skipped" in data["params"]["torchft"]
     s = data["by_n"]["4"]
-    assert set(s) == {"ddp | failure-free", "ulfmtrain | failure-free", "ddp+torchrun | between",
-                      "ulfmtrain shrink | between"}
+    assert set(s) == {"ddp+torchrun | between", "ulfmtrain shrink | between"}
     for key in s:
         assert not s[key]["errors"], (key, s[key]["errors"])
         assert s[key]["identical_all"], key                       # every replica that ended holds the same model
@@ -156,7 +156,6 @@ def test_bench_peers_ddp_and_ulfmtrain_one_kill(tmp_path: Path) -> None:
     assert ddp["steps_redone"] == 12 - 8 and ddp["replicas_at_end"] == 4    # rolled back to the step-8 checkpoint
     ulf, = data["runs"]["ulfmtrain shrink | between"]
     assert ulf["min_world_after_kill"] == 3 and ulf["kill_to_full_world_s"] is None and ulf["replicas_at_end"] == 3
-    assert data["headline"]["step_over_ddp"]["ddp"] == 1.0
 
 
 def test_bench_peers_committed_table_is_its_json() -> None:
