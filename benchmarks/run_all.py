@@ -1,6 +1,7 @@
 """Run the benchmarks one after the other and print their key figures (what `make bench` runs).
 
-At the default sizes this takes about 15 minutes on a 2-core machine.
+At the default sizes this takes about 15 minutes on a 2-core machine, plus bench_peers (about 23 minutes on the
+shared 2-core box, and a one-time install of torchft into benchmarks/.venv-peers; `--only` leaves it out).
 `--quick` runs each at its smallest size instead (the smoke tests use the same
 settings), which takes about a minute.
 
@@ -27,6 +28,7 @@ SCRIPTS = {
     "gpu": "bench_gpu.py",          # says so and measures nothing where there is no GPU
     "spawn_link": "bench_spawn_link.py",
     "startup": "bench_startup.py",
+    "peers": "bench_peers.py",      # DDP+torchrun and torchft (its own virtualenv, made once) beside ulfmtrain
 }
 # The smallest run of each benchmark that still exercises all of its code.
 QUICK_ARGS = {
@@ -38,6 +40,9 @@ QUICK_ARGS = {
     "gpu": ["--ranks", "2", "--batch", "16", "--steps", "2", "--rounds", "2"],
     "spawn_link": ["--sizes", "4096", "--reps", "5", "--rounds", "1"],
     "startup": ["--ranks", "2", "--spawns", "1", "--rounds", "1"],
+    "peers": ["--repeats", "1", "--epochs", "3", "--kill-step", "12", "--ckpt-every", "8", "--phases", "between",
+              "--configs", "ddp+torchrun", "ulfmtrain shrink", "--no-torchft",
+              "--no-failure-free"],
 }
 
 
@@ -69,6 +74,10 @@ def headline(results: Path, name: str) -> str:
         return (f"Open MPI's default BTLs / the launcher's: MPI_Init {h['init_s_default_over_launcher']:.1f}x, "
                 f"MPI_Comm_spawn {h['spawn_s_default_over_launcher']:.1f}x, "
                 f"whole job {h['job_s_default_over_launcher']:.1f}x")
+    if name == "peers":
+        return ("failure-free step / DDP: " + ", ".join(f"{k} {v:.2f}" for k, v in h["step_over_ddp"].items())
+                + "\n    kill -> next committed step, s: "
+                + ", ".join(f"{k} {v:.3g}" for k, v in h["kill_to_next_commit_s"].items()))
     ratios = h["ft_over_mpi_throughput"]
     return ("FT/plain MPI allreduce throughput: " + "; ".join(
         f"{n}: " + ", ".join(f"{b} {r:.3f}" for b, r in rs.items()) for n, rs in ratios.items())

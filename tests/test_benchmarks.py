@@ -134,3 +134,34 @@ def test_bench_startup(tmp_path: Path) -> None:
     assert "^ofi" in data["commands"]["launcher"] and "^ofi" not in data["commands"]["default"]
     ratio = runs["default"]["spawn_s"][0] / runs["launcher"]["spawn_s"][0]
     assert data["headline"]["spawn_s_default_over_launcher"] == ratio
+
+
+@pytest.mark.timeout(240)
+def test_bench_peers_ddp_and_ulfmtrain_one_kill(tmp_path: Path) -> None:
+    # torchft is left out (--no-torchft): its virtualenv is a ~5-minute install from the package registry that
+    # CI cannot be relied on to have; the committed table is checked against its JSON below instead.  Two jobs
+    # (no failure-free runs): about 30 s on an idle 2-core box, several times that under other tests' load.
+    data = run_quick("peers", tmp_path, 230)
+    assert "torchft skipped" in data["params"]["torchft"]
+    s = data["by_n"]["4"]
+    assert set(s) == {"ddp+torchrun | between", "ulfmtrain shrink | between"}
+    for key in s:
+        assert not s[key]["errors"], (key, s[key]["errors"])
+        assert s[key]["identical_all"], key                       # every replica that ended holds the same model
+    for key in ("ddp+torchrun | between", "ulfmtrain shrink | between"):
+        (run,) = data["runs"][key]
+        assert run["victim_last_step"] == 11                       # --kill-step 12: steps 0..11 committed first
+        assert run["kill_to_next_commit_s"] > 0 and run["records_lost"] == 0 and run["records_repeated"] == 0
+    ddp, = data["runs"]["ddp+torchrun | between"]
+    assert ddp["steps_redone"] == 12 - 8 and ddp["replicas_at_end"] == 4    # rolled back to the step-8 checkpoint
+    ulf, = data["runs"]["ulfmtrain shrink | between"]
+    assert ulf["min_world_after_kill"] == 3 and ulf["kill_to_full_world_s"] is None and ulf["replicas_at_end"] == 3
+
+
+def test_bench_peers_committed_table_is_its_json() -> None:
+    # The README's table is the one the committed run printed (and wrote into its JSON), measured with torchft.
+    data = json.loads((BENCH / "results" / "peers.json").read_text())
+    assert data["table"] in (BENCH / "README.md").read_text()
+    assert any(k.startswith("torchft") for k in data["by_n"]["4"]), "the committed run has no torchft rows"
+    for key, s in data["by_n"]["4"].items():
+        assert not s["errors"], (key, s["errors"])
