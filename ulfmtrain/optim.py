@@ -25,6 +25,7 @@ from .comm import AttemptFailed
 from .job import DEFAULT_BUCKET_BYTES
 from .modes import Phase
 from .overlap import Overlap
+from .rng import StepRng
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -101,8 +102,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if hasattr(comm, "handover"):
             setattr(comm, "handover", self.handover)  # noqa: B010  # a SpareComm's
             self._keep_committed_buffers()
+        # Handed-over extra state whose object is registered later (a scheduler, the sampler), and the wrapped
+        # optimizer's state as received (a scheduler's constructor writes the learning rates).
+        self._pending_extra: dict[str, Any] = {}
+        self._received_optimizer: dict[str, Any] | None = None
+        self._received_at_init = False
+        self._rng = (StepRng(model, lambda: self.comm.world_rank, lambda: self.step_count, hasattr(comm, "handover"))
+                     if model is not None else None)
+        if model is not None and self._rng is not None:
+            self._commit_hooks.append(self._rng.committed)
+            # The forward kill phase, in a loop of your own (the trainer has its own point).
+            model.register_forward_pre_hook(lambda m, _: faults.point(self.step_count, Phase.FORWARD) if m.training
+                                            else None)
+        self._commit_hooks.append(self._forget_received)
         if broadcast:
-            self.broadcast_state()
+            takeover = getattr(comm, "takeover", None)
+            if takeover is not None:      # a spare that took a slot, or a respawned process: the live state
+                self.handover(takeover["root"], receive=True)
+                self._received_at_init = True
+            else:
+                self.broadcast_state()
 
     # -- the torch.optim.Optimizer surface ---------------------------------
     @property
@@ -155,8 +174,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._attempt_hooks.append(fn)
 
     def register_extra_state(self, name: str, get: Callable[[], Any], set: Callable[[Any], None]) -> None:
-        """Make more state (e.g. the sampler) part of what survivors keep identical."""
+        """Make more state (e.g. the sampler) part of what survivors keep identical and hand over."""
+        if name in self._extra:
+            raise ValueError(f"state {name!r} is registered already: give each object its own name")
         self._extra[name] = (get, set)
+        if name in self._pending_extra:     # a newcomer that received the state before this object existed
+            set(self._pending_extra.pop(name))
+            if self._received_optimizer is not None:
+                # A scheduler's constructor set the learning rates again: the received ones hold.
+                self.optimizer.load_state_dict(self._received_optimizer)
+
+    def _forget_received(self) -> None:
+        # Once a step committed, what was received is history: an object registered later keeps its own state.
+        self._pending_extra.clear()
+        self._received_optimizer = None
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Hand `obj` (anything with state_dict() and load_state_dict(): an LR scheduler, a GradScaler, your
+        own object) to every replacement with the model and the optimizer.
+
+        A replacement that received the state before `obj` existed loads it here, when you register it.
+        """
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"register_state({name!r}, ...): a {type(obj).__name__} has no state_dict() and "
+                            "load_state_dict()")
+        self.register_extra_state(name, obj.state_dict, obj.load_state_dict)
+
+    def expect_samples(self, samples: int | None) -> None:
+        """This rank's samples in the next step, unless begin_step() or step() says otherwise (what a batch
+        sampler sets: ExactlyOnceSampler)."""
+        self._samples = samples
+
+    def seed_each_step(self, seed: int) -> None:
+        """Seed torch, numpy and random at each step's first training forward from (seed, slot, step), so a
+        replacement draws exactly the dropout masks the dead rank would have drawn (needs model=...)."""
+        if self._rng is None:
+            raise ValueError("seed_each_step needs the module: DistributedOptimizer(..., model=model)")
+        self._rng.seed = seed
 
     # -- the step --------------------------------------------------------------
     def begin_step(self, samples: int | None = None) -> None:
@@ -320,6 +374,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             state["model"].update(buffers)
         state["step"] = self.step_count
         state["extra"] = {k: get() for k, (get, _) in self._extra.items()} if extra else {}
+        if extra and self._rng is not None:
+            state["rng"] = self._rng.state()
         buf = io.BytesIO()
         torch.save(state, buf)
         return buf.getvalue()
@@ -337,7 +393,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = state["step"]
         for k, v in state["extra"].items():
-            self._extra[k][1](v)
+            if k in self._extra:
+                self._extra[k][1](v)
+            else:       # registered later (register_state loads it then)
+                self._pending_extra[k] = v
+        if state["extra"]:
+            self._received_optimizer = state["optimizer"]
+        if self._rng is not None and state.get("rng") is not None:
+            self._rng.pending = state["rng"]      # taken at this rank's next training forward
         if self._committed_buffers is not None:
             self._keep_committed_buffers()
 
@@ -347,6 +410,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Survivors send (attempt: the number of the attempt that comes next, so a
         newcomer's audit lines line up); a newcomer calls it with receive=True.
         """
+        if receive and self._received_at_init:
+            self._received_at_init = False      # received when this optimizer was made
+            return
         if not receive:
             faults.point(self.step_count, Phase.HANDOVER)
         blob = self.comm.bcast_bytes(
