@@ -125,6 +125,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # A script of your own: ulfmtrain.connect() reads these (a spare waits there; respawn reruns the script).
         os.environ[SPARES_ENV] = str(args.spares)
         os.environ[REPLACE_ENV] = args.replace
+        # One thread per rank unless told otherwise (torchrun's default): ranks share the cores.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg,
                       rsh=args.agent, net=args.net, keepalive=args.keepalive)

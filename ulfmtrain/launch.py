@@ -86,9 +86,11 @@ SPARES_ENV, REPLACE_ENV = "ULFMTRAIN_SPARES", "ULFMTRAIN_REPLACE"
 
 
 def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:
-    """`-x NAME` for each ULFMTRAIN_* variable set here (kills, event log, spares), so every rank sees it."""
+    """`-x NAME` for each ULFMTRAIN_* variable set here (kills, event log, spares) and OMP_NUM_THREADS, so every
+    rank sees it, on every host."""
     named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"}
-    return [w for k in sorted(os.environ) if k.startswith("ULFMTRAIN_") and k not in named for w in ("-x", k)]
+    wanted = [k for k in sorted(os.environ) if k.startswith("ULFMTRAIN_") or k == "OMP_NUM_THREADS"]
+    return [w for k in wanted if k not in named for w in ("-x", k)]
 
 
 def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,

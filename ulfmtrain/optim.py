@@ -25,7 +25,7 @@ from .comm import AttemptFailed
 from .job import DEFAULT_BUCKET_BYTES
 from .modes import Phase
 from .overlap import Overlap
-from .rng import StepRng
+from .rng import StepRng, on_forward
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -112,8 +112,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if model is not None and self._rng is not None:
             self._commit_hooks.append(self._rng.committed)
             # The forward kill phase, in a loop of your own (the trainer has its own point).
-            model.register_forward_pre_hook(lambda m, _: faults.point(self.step_count, Phase.FORWARD) if m.training
-                                            else None)
+            on_forward(model, lambda m: faults.point(self.step_count, Phase.FORWARD) if m.training else None)
         self._commit_hooks.append(self._forget_received)
         if broadcast:
             takeover = getattr(comm, "takeover", None)

@@ -11,6 +11,8 @@ would have drawn (its dropout masks):
 from __future__ import annotations
 
 import random
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,9 +52,9 @@ class StepRng:
         self.began = False
         self.at_step: dict[str, Any] | None = None
         self.pending: dict[str, Any] | None = None           # handed over, taken at the first forward
-        model.register_forward_pre_hook(self._forward)
+        on_forward(model, self._forward)
 
-    def _forward(self, module: torch.nn.Module, _args: Any) -> None:
+    def _forward(self, module: torch.nn.Module) -> None:
         if self.began or not module.training:
             return
         self.began = True
@@ -70,3 +72,18 @@ class StepRng:
     def state(self) -> dict[str, Any]:
         """The state to hand over: as the step in flight began (the newcomer redoes it), or as it is now."""
         return self.at_step if self.began and self.at_step is not None else capture()
+
+
+def on_forward(model: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> None:
+    """Call fn(model) before each forward of `model`.
+
+    A global hook, not one on the module: torch.save(model) pickles a module's own hooks, and ours refer to the
+    optimizer (and its communicator), which cannot be pickled.
+    """
+    ref = weakref.ref(model)
+
+    def hook(module: torch.nn.Module, _args: Any) -> None:
+        if module is ref():
+            fn(module)
+
+    torch.nn.modules.module.register_module_forward_pre_hook(hook)

@@ -8,10 +8,12 @@ import torch.nn as nn
 import torch.onnx
 
 import data
+import pydoc_corpus
+import ulfmtrain
 from model import PositionalEncoding, RNNModel, TransformerModel
 
 parser = argparse.ArgumentParser(description='PyTorch Wikitext-2 RNN/LSTM/GRU/Transformer Language Model')
-parser.add_argument('--data', type=str, default='./data/wikitext-2',
+parser.add_argument('--data', type=str, default='./data/pydoc',
                     help='location of the data corpus')
 parser.add_argument('--model', type=str, default='LSTM',
                     help='type of network (RNN_TANH, RNN_RELU, LSTM, GRU, Transformer)')
@@ -49,12 +51,14 @@ parser.add_argument('--dry-run', action='store_true',
                     help='verify the code and the model')
 parser.add_argument('--accel', action='store_true',
                     help='Enables accelerated training')
-parser.add_argument('--use-optimizer', action='store_true',
+parser.add_argument('--use-optimizer', action='store_true', default=True,
                     help='Uses AdamW optimizer for gradient updating')
+parser.add_argument('--num-workers', type=int, default=2)
 args = parser.parse_args()
 
 # Set the random seed manually for reproducibility.
 torch.manual_seed(args.seed)
+comm = ulfmtrain.connect()
 
 if args.accel and torch.accelerator.is_available():
     device = torch.accelerator.current_accelerator()
@@ -68,7 +72,7 @@ print("Using device:", device)
 # Load data
 ###############################################################################
 
-corpus = data.Corpus(args.data)
+corpus = data.Corpus(pydoc_corpus.ensure(args.data))
 
 # Starting from sequential data, batchify arranges the dataset into columns.
 # For instance, with the alphabet as the sequence and batch size 4, we'd get
@@ -108,7 +112,11 @@ else:
 
 criterion = nn.NLLLoss()
 if args.use_optimizer:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = ulfmtrain.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), comm, model=model)
+    optimizer.seed_each_step(args.seed)
+windows = [(corpus.train[i:i+args.bptt], corpus.train[i+1:i+1+args.bptt]) for i in range(0, len(corpus.train) - args.bptt - 1, args.bptt)]
+sampler = ulfmtrain.ExactlyOnceSampler(len(windows), comm, optimizer, batch_size=args.batch_size, seed=args.seed)
+train_loader = torch.utils.data.DataLoader(windows, batch_sampler=sampler, num_workers=args.num_workers)
 
 ###############################################################################
 # Training code
@@ -168,8 +176,8 @@ def train():
     ntokens = len(corpus.dictionary)
     if args.model != 'Transformer':
         hidden = model.init_hidden(args.batch_size)
-    for batch, i in enumerate(range(0, train_data.size(0) - 1, args.bptt)):
-        data, targets = get_batch(train_data, i)
+    for batch, (data, targets) in enumerate(train_loader):
+        data, targets = data.t().contiguous().to(device), targets.t().reshape(-1).to(device)
         # Starting each batch, we detach the hidden state from how it was previously produced.
         # If we didn't, the model would try backpropagating all the way to start of the dataset.
         if args.use_optimizer:
@@ -200,7 +208,7 @@ def train():
             elapsed = time.time() - start_time
             print('| epoch {:3d} | {:5d}/{:5d} batches | lr {:02.2f} | ms/batch {:5.2f} | '
                     'loss {:5.2f} | ppl {:8.2f}'.format(
-                epoch, batch, len(train_data) // args.bptt, lr,
+                epoch, batch, len(train_loader), lr,
                 elapsed * 1000 / args.log_interval, cur_loss, math.exp(cur_loss)))
             total_loss = 0
             start_time = time.time()
@@ -222,7 +230,7 @@ best_val_loss = None
 
 # At any point you can hit Ctrl + C to break out of training early.
 try:
-    for epoch in range(1, args.epochs+1):
+    for epoch in sampler.epochs(1, args.epochs+1):
         epoch_start_time = time.time()
         train()
         val_loss = evaluate(val_data)
@@ -233,8 +241,9 @@ try:
         print('-' * 89)
         # Save the model if the validation loss is the best we've seen so far.
         if not best_val_loss or val_loss < best_val_loss:
-            with open(args.save, 'wb') as f:
-                torch.save(model, f)
+            if comm.rank == 0:
+                with open(args.save, 'wb') as f:
+                    torch.save(model, f)
             best_val_loss = val_loss
         else:
             # Anneal the learning rate if no improvement has been seen in the validation dataset.
@@ -244,6 +253,7 @@ except KeyboardInterrupt:
     print('Exiting from training early')
 
 # Load the best saved model.
+comm.barrier()
 with open(args.save, 'rb') as f:
     if args.model == 'Transformer':
         safe_globals = [

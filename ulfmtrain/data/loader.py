@@ -9,10 +9,12 @@ read through the same Dataset (nothing else is read again).  The plan of a step 
 that a DataLoader worker fetched ahead of time is never lost nor changed.  Its weight in the gradient mean is
 its size (a step where a slot has nothing left gets one placeholder record, weighted 0).
 
-DataLoader asks for the next batch before the step in flight commits; the sampler keeps that look-ahead
-within `lookahead` batches, so that the extra steps of a failure are still asked for.  A failure in the very
-last step of an epoch is the exception: the loop has ended everywhere, so the dead rank's last batch is
-trained at the start of the next epoch (logged, and audited, under its own epoch).
+DataLoader asks for the next batch before the step in flight commits (with workers, several ahead); the
+extra steps go after every batch a rank may have asked for, and while the step in flight is not the epoch's
+last, every rank's loop still asks once more (its iterator says StopIteration at the plan's end, and goes on
+if the plan grew).  A failure in the very last step of an epoch is the exception: a DataLoader with workers
+has decided to end the loop already, so the dead rank's last batch is trained at the start of the next
+epoch (logged, and audited, under its own epoch).
 """
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ EMPTY = np.empty(0, dtype=np.int64)
 
 
 def cut(queue: np.ndarray, steps: int, batch: int) -> list[np.ndarray]:
-    """`queue` in `steps` batches of at most `batch`: full ones first, and no empty one while records are left."""
+    """`queue` in `steps` batches of at most `batch`: full ones first, then one record a step while any is left
+    (empty batches, the steps' placeholders, last)."""
     out, at = [], 0
     for i in range(steps):
-        size = max(0, min(batch, len(queue) - at - (steps - i - 1)))
+        left = len(queue) - at
+        size = max(min(1, left), min(batch, left - (steps - i - 1)))
         out.append(queue[at:at + size])
         at += size
     return out
@@ -56,16 +60,13 @@ class ExactlyOnceSampler:
         opt: the DistributedOptimizer whose steps consume the batches.
         batch_size: records per rank and step (at most).
         seed: the permutations' seed (the same on every rank).
-        lookahead: batches DataLoader may fetch ahead of the step in flight (at least 1).
     """
 
-    def __init__(self, count: int, comm: Comm, opt: DistributedOptimizer, *, batch_size: int, seed: int = 0,
-                 lookahead: int = 2) -> None:
+    def __init__(self, count: int, comm: Comm, opt: DistributedOptimizer, *, batch_size: int,
+                 seed: int = 0) -> None:
         if count < 1:
             raise ValueError(f"ExactlyOnceSampler needs at least one record, got count={count}")
-        if lookahead < 1:
-            raise ValueError(f"lookahead={lookahead}: DataLoader needs at least 1 batch ahead")
-        self.count, self.comm, self.opt, self.batch, self.lookahead = count, comm, opt, batch_size, lookahead
+        self.count, self.comm, self.opt, self.batch = count, comm, opt, batch_size
         self.queues = EpochSampler(holdings_of(count, comm.alive), batch_size, seed)
         self.epoch = 0
         self.plan: dict[int, list[np.ndarray]] = {}   # slot -> its batch at each step of this epoch
@@ -201,9 +202,9 @@ class ExactlyOnceSampler:
 
 
 class _Batches:
-    """One pass of a DataLoader: this rank's batches from the first uncommitted step, at most `lookahead`
-    ahead of the step in flight.  It may say StopIteration and later go on (DataLoader asks again after each
-    batch it hands out): the steps a failure adds are asked for by the same loop."""
+    """One pass of a DataLoader: this rank's batches from the first uncommitted step.  It may say StopIteration
+    and later go on (DataLoader asks again after each batch it hands out): the steps a failure adds are asked
+    for by the same loop."""
 
     def __init__(self, sampler: ExactlyOnceSampler) -> None:
         self.s, self.at, self.generation = sampler, sampler.done, sampler.generation
@@ -213,8 +214,7 @@ class _Batches:
 
     def __next__(self) -> list[int]:
         s = self.s
-        if (self.generation != s.generation or self.at >= len(s.step_epoch)
-                or self.at > s.done + s.lookahead or s.comm.world_rank not in s.plan):
+        if self.generation != s.generation or self.at >= len(s.step_epoch) or s.comm.world_rank not in s.plan:
             raise StopIteration
         ids = s._mine(self.at)
         self.at += 1
