@@ -124,9 +124,10 @@ def attach_events(comm: Any, events: str | Path | None) -> EventSink:
 
     def recovered(event: Any) -> None:
         sink(Event.RECOVERY, **event.to_json())
-        if comm.rank == 0:
+        replaced = sorted(int(s) for s in event.extra.get("replaced") or {})
+        # The lowest survivor: with spares, comm rank 0 may be a spare that took slot 0 (it logs nothing here).
+        if comm.world_rank == min(w for w in comm.alive if w not in replaced):
             ms = event.detect_ms + event.commit_agree_ms + event.revoke_ms + event.shrink_ms + event.agree_ms
-            replaced = sorted(int(s) for s in event.extra.get("replaced") or {})
             how = (f"{'replaced by spares' if replaced else 'removed'}, {event.size_before} -> "
                    f"{event.size_after} ranks")
             print(f"{PROG}: recovered at step {event.step}: lost ranks {sorted(event.removed) + replaced} ({how}), "
