@@ -22,6 +22,7 @@ from mpi4py import MPI
 from . import faults
 from .buckets import BufferBucket, crc32_tensors, make_buckets
 from .comm import AttemptFailed
+from .extra_state import ExtraState
 from .job import DEFAULT_BUCKET_BYTES
 from .modes import Phase
 from .overlap import Overlap
@@ -89,7 +90,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.overlap = Overlap(self.buckets, self._begin_overlapped, self._reduce_bucket) if overlap else None
         self._commit_hooks: list[Callable[[], None]] = []
         self._attempt_hooks: list[Callable[[int, int], None]] = []
-        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._extra = ExtraState(optimizer)
         if scale_lr:
             for g in optimizer.param_groups:
                 g.setdefault(LR_WORLD, comm.size)
@@ -102,10 +103,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if hasattr(comm, "handover"):
             setattr(comm, "handover", self.handover)  # noqa: B010  # a SpareComm's
             self._keep_committed_buffers()
-        # Handed-over extra state whose object is registered later (a scheduler, the sampler), and the wrapped
-        # optimizer's state as received (a scheduler's constructor writes the learning rates).
-        self._pending_extra: dict[str, Any] = {}
-        self._received_optimizer: dict[str, Any] | None = None
         self._received_at_init = False
         self._rng = (StepRng(model, lambda: self.comm.world_rank, lambda: self.step_count, hasattr(comm, "handover"))
                      if model is not None else None)
@@ -113,7 +110,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._commit_hooks.append(self._rng.committed)
             # The forward kill phase, in a loop of your own (the trainer has its own point).
             on_forward(model, lambda m: faults.point(self.step_count, Phase.FORWARD) if m.training else None)
-        self._commit_hooks.append(self._forget_received)
+        self._commit_hooks.append(self._extra.forget_received)
         if broadcast:
             takeover = getattr(comm, "takeover", None)
             if takeover is not None:      # a spare that took a slot, or a respawned process: the live state
@@ -174,19 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def register_extra_state(self, name: str, get: Callable[[], Any], set: Callable[[Any], None]) -> None:
         """Make more state (e.g. the sampler) part of what survivors keep identical and hand over."""
-        if name in self._extra:
-            raise ValueError(f"state {name!r} is registered already: give each object its own name")
-        self._extra[name] = (get, set)
-        if name in self._pending_extra:     # a newcomer that received the state before this object existed
-            set(self._pending_extra.pop(name))
-            if self._received_optimizer is not None:
-                # A scheduler's constructor set the learning rates again: the received ones hold.
-                self.optimizer.load_state_dict(self._received_optimizer)
-
-    def _forget_received(self) -> None:
-        # Once a step committed, what was received is history: an object registered later keeps its own state.
-        self._pending_extra.clear()
-        self._received_optimizer = None
+        self._extra.register(name, get, set)
 
     def register_state(self, name: str, obj: Any) -> None:
         """Hand `obj` (anything with state_dict() and load_state_dict(): an LR scheduler, a GradScaler, your
@@ -372,7 +357,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if buffers:
             state["model"].update(buffers)
         state["step"] = self.step_count
-        state["extra"] = {k: get() for k, (get, _) in self._extra.items()} if extra else {}
+        state["extra"] = self._extra.get() if extra else {}
         if extra and self._rng is not None:
             state["rng"] = self._rng.state()
         buf = io.BytesIO()
@@ -391,13 +376,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.copy_(v)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = state["step"]
-        for k, v in state["extra"].items():
-            if k in self._extra:
-                self._extra[k][1](v)
-            else:       # registered later (register_state loads it then)
-                self._pending_extra[k] = v
-        if state["extra"]:
-            self._received_optimizer = state["optimizer"]
+        self._extra.load(state["extra"], state["optimizer"])
         if self._rng is not None and state.get("rng") is not None:
             self._rng.pending = state["rng"]      # taken at this rank's next training forward
         if self._committed_buffers is not None:
