@@ -63,7 +63,7 @@ def main(mode: str, example: str, epochs: int = 3) -> None:
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
-        net = torch.nn.parallel.DistributedDataParallel(model)
+        net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)   # the LM's constant buffer
         opt = make_opt(net.parameters())
         dsampler = torch.utils.data.distributed.DistributedSampler(ds, seed=1)
         loader = torch.utils.data.DataLoader(ds, batch_size=bs, sampler=dsampler, num_workers=2)
