@@ -30,7 +30,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 _EXPORTS = {
     "FaultTolerantComm": "comm", "FaultToleranceUnavailable": "comm", "FaultPathError": "comm",
     "DistributedOptimizer": "optim", "FTSGD": "optim",
-    "distributed_sampler": "data",
+    "distributed_sampler": "data", "ExactlyOnceSampler": "data.loader", "connect": "script",
     "Trainer": "trainer", "TrainConfig": "job",
     "Checkpointer": "checkpoint", "CheckpointError": "checkpoint",
     "digits_to_dataset": "data", "arrays_to_dataset": "data", "DatasetError": "data",

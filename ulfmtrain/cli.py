@@ -107,17 +107,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from .launch import launch
+    import os
+
+    from .launch import COMMANDS, REPLACE_ENV, SPARES_ENV, launch
 
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        raise UsageError("launch needs a command after --, e.g. `launch -n 4 -- train --data DIR`")
-    if args.spares:
-        if args.spares < 0 or argv[0] != "train":
-            raise UsageError("--spares K needs K >= 0 and a train command: `launch -n N --spares K -- train ...`")
-        argv += ["--spares", str(args.spares)]
+        raise UsageError("launch needs a command after --, e.g. `launch -n 4 -- python train.py ARGS` "
+                         "or `launch -n 4 -- train --data DIR`")
+    if args.n < 1:
+        raise UsageError(f"-n {args.n}: give the number of training ranks, at least 1")
+    if args.spares < 0:
+        raise UsageError(f"--spares {args.spares}: give the number of hot spares, 0 or more")
+    if argv[0] in COMMANDS:
+        argv += [*(["--spares", str(args.spares)] if args.spares else []),
+                 *(["--replace", args.replace] if args.replace != Replace.NONE else [])]
+    else:
+        # A script of your own: ulfmtrain.connect() reads these (a spare waits there; respawn reruns the script).
+        os.environ[SPARES_ENV] = str(args.spares)
+        os.environ[REPLACE_ENV] = args.replace
+        # One thread per rank unless told otherwise (torchrun's default): ranks share the cores.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg,
                       rsh=args.agent, net=args.net, keepalive=args.keepalive)
@@ -180,10 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
 
-    p = sub.add_parser("launch", help="run a command under mpirun --with-ft ulfm with the right flags")
-    p.add_argument("-n", type=int, required=True, help="number of ranks")
+    p = sub.add_parser("launch", help="run `python script.py ...` (or `train ...`) on N ranks under mpirun "
+                                      "--with-ft ulfm with the right flags")
+    p.add_argument("-n", type=int, required=True, help="number of training ranks")
     p.add_argument("--spares", type=int, default=0, metavar="K",
-                   help="start K more ranks as hot spares for the train command")
+                   help="start K more ranks as hot spares: they wait, and take a dead rank's place with the "
+                        "survivors' live state")
+    p.add_argument("--replace", choices=choices(Replace), default=Replace.NONE.value,
+                   help="respawn: once no spare is left, start a replacement process in the background (it runs "
+                        "the same command)")
     p.add_argument("--hostfile", default=None, help="hosts for a multi-node run (adds --mca coll ^han)")
     p.add_argument("--agent", default=None, metavar="RSH",
                    help="no daemon on the hosts: start each rank through RSH (e.g. ssh), so a whole host can die; "
@@ -193,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --agent: a host silent for S seconds (link cut, frozen) is dropped, and stops "
                         "itself (default 10; ssh gets matching ServerAlive options)")
     p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
-    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- train ...")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- python script.py ARGS, or -- train ...")
 
     p = sub.add_parser("demo", help="train on digits twice, without and with a SIGKILL, and compare")
     p.add_argument("--out", default="ulfmtrain-demo", help="directory for the runs, the report and the figure")

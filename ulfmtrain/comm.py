@@ -158,6 +158,7 @@ class Comm(Protocol):
                     what: str = "step", before_agree: Callable[[], None] | None = None) -> T: ...
     def reduce_try(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None: ...
     def agree(self, flag: int) -> int: ...
+    def barrier(self) -> None: ...
     def bcast_bytes(self, make: Callable[[], bytes], root: int = 0) -> bytes: ...
     def bcast_obj(self, make: Callable[[], Any]) -> Any: ...
     def finalize(self, timeout: float = 5.0, exit_code: int = 0) -> int: ...
@@ -184,11 +185,20 @@ class _CommBase:
 
     @property
     def rank(self) -> int:
+        """This rank's place among the survivors, 0 .. size-1: it changes after a failure (rank 0 is the
+        lowest survivor).  world_rank (an attribute) is its rank at the start, which never changes (with
+        spares: its slot, which a spare takes over)."""
         return self.comm.Get_rank()
 
     @property
     def size(self) -> int:
+        """The number of ranks training now (survivors; with spares, the slots)."""
         return self.comm.Get_size()
+
+    def barrier(self) -> None:
+        """Return once every survivor has called it: an agreement, so a rank that dies meanwhile is repaired
+        around, not waited for."""
+        self.agree(1)
 
     @property
     def next_attempt(self) -> int:
@@ -208,6 +218,9 @@ class _CommBase:
         return pickle.loads(self.bcast_bytes(lambda: pickle.dumps(make(), protocol=5)))
 
     def bcast_bytes(self, make: Callable[[], bytes], root: int = 0) -> bytes:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def agree(self, flag: int) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
 
 

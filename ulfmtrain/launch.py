@@ -5,6 +5,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -63,13 +64,40 @@ def _chooses_btl(mpirun_args: Sequence[str]) -> bool:
     return bool(os.environ.get("OMPI_MCA_btl")) or any(a in ("--mca", "-mca") and b == "btl" for a, b in pairs)
 
 
+def program(argv: Sequence[str]) -> list[str]:
+    """What each rank runs: `train ...` (any ulfmtrain command) as `python -P -m ulfmtrain ...`; `python ...`
+    with this interpreter (a script runs as `python script.py` would: its folder first on sys.path); any other
+    program as given."""
+    if not argv or argv[0] in COMMANDS:
+        # -P: a source checkout in the working directory must not shadow the
+        # installed package, which holds the compiled fault path.
+        return [sys.executable, "-P", "-m", "ulfmtrain", *argv]
+    if re.fullmatch(r"python(3(\.\d+)?)?", Path(argv[0]).name):
+        # The interpreter that runs launch: the one with torch, mpi4py and ulfmtrain (a bare `python` on PATH
+        # may be another); a newcomer that respawn starts runs the same sys.executable.
+        return [sys.executable, *argv[1:]]
+    return list(argv)
+
+
+# The ulfmtrain commands that `launch -- COMMAND` runs as `python -P -m ulfmtrain COMMAND`.
+COMMANDS = ("train",)
+# Set by launch for a script's ranks (script.connect reads them): the hot spares and the replacement policy.
+SPARES_ENV, REPLACE_ENV = "ULFMTRAIN_SPARES", "ULFMTRAIN_REPLACE"
+
+
+def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:
+    """`-x NAME` for each ULFMTRAIN_* variable set here (kills, event log, spares) and OMP_NUM_THREADS, so every
+    rank sees it, on every host."""
+    named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"}
+    wanted = [k for k in sorted(os.environ) if k.startswith("ULFMTRAIN_") or k == "OMP_NUM_THREADS"]
+    return [w for k in wanted if k not in named for w in ("-x", k)]
+
+
 def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
                    mpirun_args: Sequence[str] = (), cores: int | None = None, ft: bool = True) -> list[str]:
-    """Build `mpirun --with-ft ulfm -np N ... python -P -m ulfmtrain ARGV`."""
-    # -P: a source checkout in the working directory must not shadow the
-    # installed package, which holds the compiled fault path.
-    return [*mpirun_prefix(n, hostfile=hostfile, mpirun_args=mpirun_args, cores=cores, ft=ft),
-            sys.executable, "-P", "-m", "ulfmtrain", *argv]
+    """Build `mpirun --with-ft ulfm -np N ... PROGRAM` (see program: `train ...` runs
+    `python -P -m ulfmtrain train ...`)."""
+    return [*mpirun_prefix(n, hostfile=hostfile, mpirun_args=mpirun_args, cores=cores, ft=ft), *program(argv)]
 
 
 def read_hostfile(hostfile: str) -> list[tuple[str, int, str]]:
@@ -143,6 +171,7 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
     loss of a whole host is survived (see ulfmtrain/agent.py); a silent host
     is dropped after `keepalive` seconds (default 10).
     """
+    mpirun_args = [*exported_env(mpirun_args), *mpirun_args]
     if rsh is None:
         if keepalive is not None:
             raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
@@ -159,5 +188,5 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
         agent.chmod(0o755)
         cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args,
                                 keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp)
-        cmd += [sys.executable, "-P", "-m", "ulfmtrain", *argv]
+        cmd += program(argv)
         return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode

@@ -22,9 +22,11 @@ from mpi4py import MPI
 from . import faults, stall
 from .buckets import BufferBucket, crc32_tensors, make_buckets
 from .comm import AttemptFailed, StartOver
+from .extra_state import ExtraState
 from .job import DEFAULT_BUCKET_BYTES
 from .modes import Phase
 from .overlap import Overlap
+from .rng import StepRng, on_forward
 from .streams import Streams
 
 if TYPE_CHECKING:
@@ -100,7 +102,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._commit_hooks: list[Callable[[], None]] = [stall.commit_watch(
             lambda: f"world rank {comm.world_rank} (after step {self.step_count - 1})")]
         self._attempt_hooks: list[Callable[[int, int], None]] = []
-        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._extra = ExtraState(optimizer)
         if scale_lr:
             for g in optimizer.param_groups:
                 g.setdefault(LR_WORLD, comm.size)
@@ -113,8 +115,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if hasattr(comm, "handover"):
             setattr(comm, "handover", self)  # noqa: B010  # a SpareComm's: it calls handover_payload/take_handover
             self._keep_committed_buffers()
+        self._received_at_init = False
+        self._rng = (StepRng(model, lambda: self.comm.world_rank, lambda: self.step_count, hasattr(comm, "handover"))
+                     if model is not None else None)
+        if model is not None and self._rng is not None:
+            self._commit_hooks.append(self._rng.committed)
+            # The forward kill phase, in a loop of your own (the trainer has its own point).
+            on_forward(model, lambda m: faults.point(self.step_count, Phase.FORWARD) if m.training else None)
+        self._commit_hooks.append(self._extra.forget_received)
         if broadcast:
-            self.broadcast_state()
+            takeover = getattr(comm, "takeover", None)
+            if takeover is not None:      # a spare that took a slot, or a respawned process: the live state
+                self.handover(takeover["root"], receive=True)
+                self._received_at_init = True
+            else:
+                self.broadcast_state()
 
     # -- the torch.optim.Optimizer surface ---------------------------------
     @property
@@ -168,8 +183,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._attempt_hooks.append(fn)
 
     def register_extra_state(self, name: str, get: Callable[[], Any], set: Callable[[Any], None]) -> None:
-        """Make more state (e.g. the sampler) part of what survivors keep identical."""
-        self._extra[name] = (get, set)
+        """Make more state (e.g. the sampler) part of what survivors keep identical and hand over."""
+        self._extra.register(name, get, set)
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Hand `obj` (anything with state_dict() and load_state_dict(): an LR scheduler, a GradScaler, your
+        own object) to every replacement with the model and the optimizer.
+
+        A replacement that received the state before `obj` existed loads it here, when you register it.
+        """
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"register_state({name!r}, ...): a {type(obj).__name__} has no state_dict() and "
+                            "load_state_dict()")
+        self.register_extra_state(name, obj.state_dict, obj.load_state_dict)
+
+    def expect_samples(self, samples: int | None) -> None:
+        """This rank's samples in the next step, unless begin_step() or step() says otherwise (what a batch
+        sampler sets: ExactlyOnceSampler)."""
+        self._samples = samples
+
+    def seed_each_step(self, seed: int) -> None:
+        """Seed torch, numpy and random at each step's first training forward from (seed, slot, step), so a
+        replacement draws exactly the dropout masks the dead rank would have drawn (needs model=...)."""
+        if self._rng is None:
+            raise ValueError("seed_each_step needs the module: DistributedOptimizer(..., model=model)")
+        self._rng.seed = seed
 
     # -- the step --------------------------------------------------------------
     def begin_step(self, samples: int | None = None) -> None:
@@ -352,7 +390,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if buffers:
             state["model"].update(buffers)
         state["step"] = self.step_count
-        state["extra"] = {k: get() for k, (get, _) in self._extra.items()} if extra else {}
+        state["extra"] = self._extra.get() if extra else {}
+        if extra and self._rng is not None:
+            state["rng"] = self._rng.state()
         buf = io.BytesIO()
         torch.save(state, buf)
         return buf.getvalue()
@@ -369,8 +409,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.copy_(v)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = state["step"]
-        for k, v in state["extra"].items():
-            self._extra[k][1](v)
+        self._extra.load(state["extra"], state["optimizer"])
+        if self._rng is not None and state.get("rng") is not None:
+            self._rng.pending = state["rng"]      # taken at this rank's next training forward
         if self._committed_buffers is not None:
             self._keep_committed_buffers()
 
@@ -381,6 +422,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         start it over with it.  (root, attempt, receive: kept for callers of the older signature; the
         communicator picks the sender and tells the attempt.)
         """
+        if receive and self._received_at_init:
+            self._received_at_init = False      # received when this optimizer was made
+            return
         if (getattr(self.comm, "takeover", None) or {}).get("startup"):
             self.broadcast_state()
         else:

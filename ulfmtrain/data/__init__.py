@@ -6,6 +6,7 @@
 - :mod:`.plan`: pure range planning: initial shards, recovery plans, coverage checks.
 - :mod:`.shard`: :class:`LocalShard`, the records one rank holds in memory.
 - :mod:`.sampler`: exactly-once epoch queues.
+- :mod:`.loader`: :class:`ExactlyOnceSampler`, those queues as a batch sampler for torch's DataLoader.
 
 Nothing here imports torch or MPI: the data tools stay light.
 """
@@ -22,6 +23,7 @@ from .format import (
     dataset_paths,
     split_path,
 )
+from .loader import ExactlyOnceSampler
 from .plan import (
     Ranges,
     RecoveryPlan,
@@ -63,4 +65,5 @@ __all__ = [
     "LocalShard",
     "EpochSampler",
     "distributed_sampler",
+    "ExactlyOnceSampler",
 ]
