@@ -107,10 +107,12 @@ def at_exit() -> None:
 def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
     """A program's explicit finalize (FaultTolerantComm.finalize): under ULFM, leave with the peers now, as at
     the end (MPI stays initialized); else lifecycle.finalize, bounded.  Returns exit_code."""
+    from . import lifecycle
     if fault_tolerant():
         at_exit()
-        return exit_code
-    from . import lifecycle
+        if not lifecycle.mpi4py_finalizes_at_exit():
+            return exit_code
+    # Without ULFM, or where mpi4py would finalize at exit with no bound (it initialized MPI): bounded here.
     return lifecycle.finalize(timeout, exit_code)
 
 

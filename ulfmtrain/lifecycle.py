@@ -150,9 +150,20 @@ def arm_at_exit(timeout: float = 5.0) -> None:
         atexit.register(_at_exit, timeout)
 
 
+def mpi4py_finalizes_at_exit() -> bool:
+    """mpi4py calls MPI_Finalize, unbounded, at interpreter exit: the program imported mpi4py.MPI before
+    ulfmtrain (start_at_import then leaves MPI's start-up and end to mpi4py's rules)."""
+    import mpi4py
+
+    rc = mpi4py.rc
+    return bool(rc.initialize if rc.finalize is None else rc.finalize)
+
+
 def _at_exit(timeout: float) -> None:
     from . import exits
     if exits.fault_tolerant():
         exits.at_exit()     # returns once every member is leaving; MPI_Finalize is skipped (docs/failures.md)
-    else:
-        finalize(timeout)
+        if not mpi4py_finalizes_at_exit():
+            return
+    # mpi4py's own MPI_Finalize would come next, with no bound: finalize here, bounded, instead.
+    finalize(timeout)
