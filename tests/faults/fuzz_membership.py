@@ -113,6 +113,9 @@ def draw(seed: int) -> Case:
         seen.setdefault(k.split("@")[0], k)
     case.points = [p for k, p in zip(case.kills, case.points) if seen[k.split("@")[0]] == k]
     case.kills = list(seen.values())
+    # A schedule that kills every rank is refused as bad input (one line, status 2): leave a survivor.
+    while sum(1 for p in case.points if p.split(":")[1] not in ("ready", "newcomer")) >= slots + spares:
+        case.kills, case.points = case.kills[:-1], case.points[:-1]
     if case.resume:
         case.respawn, case.ckpt = False, True
     return case
