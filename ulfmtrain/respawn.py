@@ -142,10 +142,12 @@ class RespawnComm(SpareComm):
         return result
 
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
-        super()._repair(what, committed, t_start, t_error, agree_ms)
-        self._repaired = self._spawn_wanted = True
-        self._saved_for_join = False
-        self._retries = 0
+        try:
+            super()._repair(what, committed, t_start, t_error, agree_ms)
+        finally:            # also when a repair at start-up starts it over (StartOver): refill after it
+            self._repaired = self._spawn_wanted = True
+            self._saved_for_join = False
+            self._retries = 0
 
     def _boundary(self) -> None:
         """After a committed step: join a ready batch, or start one (every decision here is uniform)."""

@@ -227,6 +227,10 @@ class SpareComm(FaultTolerantComm):
                     # (root: the comm rank that sends the state, for callers of opt.handover(root, receive=True))
                     self.takeover = {"slot": self.slot, "startup": plan["startup"],
                                      "root": self.alive.index(plan["root"]) if plan["root"] >= 0 else 0}
+                    if plan["startup"]:
+                        # Nothing is handed over: it starts the start-up with them (as the survivors, which
+                        # clear it in _repair).  A stale entry would make it a receiver in a later repair.
+                        self.receivers.clear()
         return True
 
     def release_spares(self) -> None:

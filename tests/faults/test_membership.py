@@ -49,6 +49,15 @@ def test_a_death_at_start_up_with_a_spare(digits_dir, tmp_path, free, kill):
 
 
 @pytest.mark.timeout(2 * BOUND_S)
+def test_a_spare_that_joined_at_start_up_is_no_receiver_in_a_later_repair(digits_dir, tmp_path, free):
+    """Fuzzer seed 11: a spare that took slot 1 at start-up (started over with the survivors, handed nothing) still
+    listed itself as waiting for the state; at slot 2's death it took the hand-over as a receiver, and the attempt
+    number it carried leaked into the next step: its audit line of step 11 alone counted (32 records missing)."""
+    v = run(digits_dir, tmp_path, 3, ["1@0:init", "2@10"], spares=2)
+    assert v.end["world_history"] == [3, 3, 3] and v.end["checksum"] == free.checksum(3), v.end
+
+
+@pytest.mark.timeout(2 * BOUND_S)
 def test_a_second_death_inside_a_spare_repair(digits_dir, tmp_path, free):
     """Slots 2 and 3 die right after the shrink of the repair of slot 1's death (a host's ranks, milliseconds
     apart): where the repair's agree returned OK on one survivor and a failure on another, the first went on to
