@@ -10,8 +10,6 @@ that actually contributed, whatever the world size and the batch sizes.
 from __future__ import annotations
 
 import contextlib
-import io
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +18,13 @@ import torch
 from mpi4py import MPI
 
 from . import faults, stall
-from .buckets import BufferBucket, crc32_tensors, make_buckets
-from .comm import AttemptFailed, StartOver
+from .buckets import BufferBucket, make_buckets
+from .comm import AttemptFailed
 from .extra_state import ExtraState
 from .job import DEFAULT_BUCKET_BYTES
 from .modes import Phase
 from .overlap import Overlap
+from .replicated import ReplicatedState
 from .rng import StepRng, on_forward
 from .streams import Streams
 
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 LR_WORLD = "lr_world"     # a param group's key under scale_lr: the world size its lr is set for
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
     """Wrap a torch optimizer: average gradients over the survivors as one transaction, then step.
 
     It is a torch.optim.Optimizer (torchft's OptimizerWrapper convention):
@@ -367,121 +366,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.hand_over_pending()
         return loss
 
-    def hand_over_pending(self) -> None:
-        """After a newcomer joined at a step boundary (the step committed): hand over once the update is applied,
-        or at the next synchronize if the update was skipped (a GradScaler's inf step), or at the end."""
-        if getattr(self.comm, "pending_handover", False):
-            setattr(self.comm, "pending_handover", False)  # noqa: B010  # a SpareComm's
-            self.comm.hand_over()       # type: ignore[attr-defined]
-
-    # -- the replicated state ----------------------------------------------------
-    def _tensors(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict() if self.model is not None else [p.detach() for p in self.params],
-            "optimizer": self.optimizer.state_dict(),
-        }
-
-    def get_state(self, extra: bool = True, buffers: dict[str, torch.Tensor] | None = None) -> bytes:
-        """Model, optimizer, step and (unless extra=False) the registered extra state, serialized.
-
-        buffers: the model's buffers to send instead of their current values.
-        """
-        state = self._tensors()
-        if buffers:
-            state["model"].update(buffers)
-        state["step"] = self.step_count
-        state["extra"] = self._extra.get() if extra else {}
-        if extra and self._rng is not None:
-            state["rng"] = self._rng.state()
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        return buf.getvalue()
-
-    def set_state(self, blob: bytes) -> None:
-        """Take a state made by get_state()."""
-        # On the host: load_state_dict copies to the parameters' device (which may differ from the sender's).
-        state = torch.load(io.BytesIO(blob), weights_only=False, map_location="cpu")
-        if self.model is not None:
-            self.model.load_state_dict(state["model"])
-        else:
-            with torch.no_grad():
-                for p, v in zip(self.params, state["model"]):
-                    p.copy_(v)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step_count = state["step"]
-        self._extra.load(state["extra"], state["optimizer"])
-        if self._rng is not None and state.get("rng") is not None:
-            self._rng.pending = state["rng"]      # taken at this rank's next training forward
-        if self._committed_buffers is not None:
-            self._keep_committed_buffers()
-
-    def handover(self, root: int = 0, attempt: int = 0, *, receive: bool = False) -> None:
-        """A rank that took a dead rank's slot (a spare, a newcomer): take the survivors' committed state.
-
-        A spare that took its slot during start-up joins the initial broadcast instead, as the survivors
-        start it over with it.  (root, attempt, receive: kept for callers of the older signature; the
-        communicator picks the sender and tells the attempt.)
-        """
-        if receive and self._received_at_init:
-            self._received_at_init = False      # received when this optimizer was made
-            return
-        if (getattr(self.comm, "takeover", None) or {}).get("startup"):
-            self.broadcast_state()
-        else:
-            self.comm.hand_over()       # type: ignore[attr-defined]  # a SpareComm's
-
-    def handover_payload(self) -> bytes:
-        """The committed state a sender hands over (buffers as of the last update)."""
-        return self.get_state(buffers=self._committed_buffers)
-
-    def take_handover(self, blob: bytes) -> None:
-        """A receiver takes the state handover_payload() made."""
-        self.set_state(blob)
-
-    def _keep_committed_buffers(self) -> None:
-        named = self.model.named_buffers() if self.model is not None else ()
-        self._committed_buffers = {k: b.detach().clone() for k, b in named}
-
-    def broadcast_state(self, extra: bool = False, *, finish_startup: bool = True) -> None:
-        """Start every rank from the lowest survivor's state (Horovod's broadcast_parameters, fault-tolerant).
-
-        extra: with the extra state (the sampler, which then re-plans itself for this world); without it,
-        every rank builds it alike.  finish_startup: the start-up ends here (comm.started); a repair that gave
-        slots to spares meanwhile starts the broadcast over with them.  False: the caller starts over
-        (StartOver), its start-up has more to it.
-        """
-        faults.point(self.step_count, "init")
-        while True:
-            try:
-                self.set_state(self.comm.bcast_bytes(lambda: self.get_state(extra=extra)))
-                break
-            except StartOver:
-                if not finish_startup:
-                    raise
-        if finish_startup:
-            self.comm.started = True
-
-    def checksum(self) -> int:
-        """CRC32 of parameters, buffers, optimizer state and step: equal on consistent replicas."""
-        crc = zlib.crc32(self.step_count.to_bytes(8, "little", signed=True))
-        return crc32_tensors(_walk_tensors(self._tensors()), crc)
-
     def close(self) -> None:
         """End the communication thread of overlap=True (also at interpreter exit: it is a daemon)."""
         if self.overlap is not None:
             self.overlap.close()
             self.overlap = None
-
-
-def _walk_tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            yield from _walk_tensors(obj[k])
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _walk_tensors(v)
 
 
 class FTSGD(DistributedOptimizer):
