@@ -160,6 +160,9 @@ def _pmix_finalize() -> None:
     processes, mpirun reports a process that exits without MPI_Finalize as an abnormal end (status 1)."""
     import ctypes
 
+    from . import lifecycle
+    if lifecycle.mpi4py_finalizes_at_exit():
+        return      # MPI_Finalize comes (bounded) and ends PMIx itself: a PMIx ended before it makes it fail
     try:
         with open("/proc/self/maps") as maps:     # libmpi's own libpmix (no pmix.h ships with the wheel)
             path = next((line.split()[-1] for line in maps if "/libpmix.so" in line), None)
