@@ -21,7 +21,6 @@ imports the standard library only.
 """
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import ipaddress
 import json
@@ -96,18 +95,9 @@ def agent_alive(directory: str, rank: int) -> bool:
         os.close(fd)                  # releases the lock if we took it
 
 
-def die(why: str, shell: subprocess.Popen | None = None) -> NoReturn:
-    """One line on stderr, then SIGKILL: the only way out that ULFM survivors are told of.
-
-    shell: the lost rank's remote shell, ended first (its process group too, where it made one): it holds
-    mpirun's output pipes, and at a job's clean end mpirun waits for them to close (a frozen host's shell never
-    closes them: the job's end then waited for good).
-    """
+def die(why: str) -> NoReturn:
+    """One line on stderr, then SIGKILL: the only way out that ULFM survivors are told of."""
     print(f"{PROG}: {why}", file=sys.stderr, flush=True)
-    if shell is not None:
-        for end in (lambda: os.killpg(shell.pid, signal.SIGKILL), shell.kill):
-            with contextlib.suppress(OSError):
-                end()
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable: SIGKILL cannot be caught")
 
@@ -216,7 +206,7 @@ def main(app: list[str]) -> None:
                 # No word from the tether on how the rank ended (ssh lost, the tether never started,
                 # the host's processes killed): the rank is lost, and only a signal tells the survivors.
                 die(f"rank {rank} on {w.host}: its remote shell ended with status {rc} before the rank "
-                    "reported its exit (host lost, or the remote start failed: see the host's stderr)", child)
+                    "reported its exit (host lost, or the remote start failed: see the host's stderr)")
             elif key.data == "accept":
                 w.conn, _ = listener.accept()
                 w.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -233,7 +223,7 @@ def main(app: list[str]) -> None:
                 if not data:
                     sel.unregister(w.conn)
                     if w.exit_code is None:
-                        die(f"rank {rank} on {w.host}: the keep-alive link closed (host or tether lost)", child)
+                        die(f"rank {rank} on {w.host}: the keep-alive link closed (host or tether lost)")
                     finish(child, w.exit_code, w.keepalive)
                 w.feed(data)
                 last = time.monotonic()
@@ -241,10 +231,10 @@ def main(app: list[str]) -> None:
         now = time.monotonic()
         if w.conn is None and now >= t_start + CALLBACK_TIMEOUT:
             die(f"rank {rank} on {w.host}: no call back from its tether to {head} within {CALLBACK_TIMEOUT:g} s "
-                "(can the host reach the head on --net? is ulfmtrain installed there at the same path?)", child)
+                "(can the host reach the head on --net? is ulfmtrain installed there at the same path?)")
         if w.conn is not None and now - last > w.keepalive:
             die(f"rank {rank} on {w.host}: no keep-alive for {w.keepalive:g} s (link cut, host frozen or down): "
-                "rank lost", child)
+                "rank lost")
 
 
 def finish(child: subprocess.Popen, code: int, grace: float) -> None:
