@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -360,6 +361,10 @@ def test_agent_launch_survives_a_power_cut_of_one_of_three_hosts(three_hosts, di
     assert wait_for(lambda: steps_of(out, 0) >= 30, proc, 100), "training never reached step 30"
     t_cut = time.time()
     power_cut(hosts[c], silent=True)
+    # On a cluster the head's ssh clients to the dead host give up after the keep-alive bound (launch gives
+    # ssh matching ServerAlive options) and close mpirun's output pipes, which mpirun waits for at a clean end.
+    # Here the host's own frozen processes hold those pipes: they end the same bound later.
+    threading.Timer(KEEPALIVE + 1.0, signal_host, (hosts[c], "KILL")).start()
     diag = finished(proc, tmp_path)
     logs = read_rank_logs(out)
     starts = {r: next(x for x in recs if x["event"] == "start") for r, recs in logs.items()}

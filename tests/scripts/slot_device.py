@@ -33,7 +33,9 @@ opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, mo
 if joined:
     opt.handover(comm.takeover["root"], receive=True)
 g = torch.Generator().manual_seed(1)
-while opt.step_count < 30:
+# Respawn: train on until the newcomer has joined (the size is the same on every rank at each boundary), bounded;
+# 30 steps of this model can end before a spawned process is ready on a loaded machine.
+while opt.step_count < 30 or (mode == "respawn" and comm.size < 3 and opt.step_count < 20000):
     faults.point(opt.step_count, "forward")
     opt.zero_grad()
     model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
