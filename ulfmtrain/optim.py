@@ -89,7 +89,6 @@ class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
         self.step_count = 0
         self.samples_total = 0.0
         self._synchronized = False
-        self._skip_sync = False
         self._samples: int | None = None          # declared by begin_step()
         self._overlapped = False                   # this step's first attempt ran during backward
         self._overlap_failure: AttemptFailed | None = None
@@ -345,13 +344,9 @@ class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
     def skip_synchronize(self) -> Iterator[None]:
         """Within this block, step() applies the update without reducing again (after synchronize()).
 
-        Kept for Horovod-style code: step() after synchronize() never reduces again anyway.
+        Kept for Horovod-style code: step() after synchronize() never reduces again anyway, so it only yields.
         """
-        self._skip_sync = True
-        try:
-            yield
-        finally:
-            self._skip_sync = False
+        yield
 
     def step(self, closure: Callable[[], Any] | None = None, *, samples: int | None = None) -> Any:
         """Compute gradients (closure), average them over the survivors as one transaction, and update."""
