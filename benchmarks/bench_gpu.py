@@ -187,11 +187,13 @@ def recovery(n: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from ulfmtrain.data.sources import synthetic_dataset
     from ulfmtrain.events import read_rank_logs
 
-    data = work / "syn.ulfmds"
-    if not data.exists():
-        synthetic_dataset(data, records=n * args.batch * 12, classes=10, shape=SHAPES[args.model])
-    out = work / f"train{n}"
+    # One dataset per world size: 12 global batches, so the kill at step 6 falls inside the epoch for every n
+    # (a file shared between sizes left a larger world with fewer steps than the kill's: no failure, "0 ms").
     kill_step = 6
+    data = work / f"syn{n}.ulfmds"
+    if not data.exists():
+        synthetic_dataset(data, records=n * args.batch * 2 * kill_step, classes=10, shape=SHAPES[args.model])
+    out = work / f"train{n}"
     argv = ["train", "--train", str(data), "--out", str(out), "--model", args.model, "--device", args.device,
             "--batch", str(args.batch), "--epochs", "1", "--no-progress", "--audit", "--kill", f"1@{kill_step}"]
     launch = common.run_mpi(common.train_command(n, argv, args), args.timeout, work / f"train{n}.log")
@@ -201,6 +203,9 @@ def recovery(n: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     if not survivors:
         raise SystemExit(f"bench_gpu: the recovery run did not finish:\n{common.log_tail(launch.log)}")
     rec = [x for x in logs[survivors[0]] if x["event"] == "recovery"]
+    if not rec:
+        raise SystemExit(f"bench_gpu: the recovery run at {n} ranks recorded no recovery (was rank 1 killed at step "
+                         f"{kill_step}?):\n{common.log_tail(launch.log)}")
     mem = {r: [x["cuda_mem"] for x in logs[r] if x["event"] == "step" and "cuda_mem" in x] for r in survivors}
     from ulfmtrain.audit import audit_logs
     return {"kill": f"1@{kill_step}", "survivors": survivors, "recovery": rec,

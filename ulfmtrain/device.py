@@ -70,6 +70,9 @@ def select_device(spec: Device | str, local: int | None = None) -> torch.device:
     device = device_for(spec, local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # A spare must end where the failure-free run ends: cuDNN's default convolution backward is not
+        # deterministic (atomics), and autotuning may pick different kernels in different processes.
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     return device
 
 

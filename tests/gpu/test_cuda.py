@@ -100,8 +100,8 @@ def test_checksum_of_device_tensors_equals_the_host_copy_s(fake_comm):
     assert FTSGD(model.parameters(), fake_comm(), lr=0.1, model=model).checksum() == gpu
 
 
-def _train(tmp_path: Path, n: int, on: str, *extra: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess,
-                                                                                          dict]:
+def _train(tmp_path: Path, n: int, on: str, *extra: str, timeout: float = 600,
+           out: str = "out") -> tuple[subprocess.CompletedProcess, dict]:
     from ulfmtrain.launch import mpirun_command
 
     data = tmp_path / "data.ulfmds"
@@ -110,7 +110,7 @@ def _train(tmp_path: Path, n: int, on: str, *extra: str, timeout: float = 600) -
     if not data.exists():
         subprocess.run([sys.executable, "-P", "-m", "ulfmtrain", "data", "synthetic", str(data), "--shape", shape,
                         "--classes", "10", "--records", str(records)], check=True)
-    out = tmp_path / "out"
+    out = tmp_path / out
     argv = ["train", "--train", str(data), "--out", str(out), "--device", "cuda" if on == "cuda" else "cpu",
             "--model", model, "--batch", "32", "--epochs", "2", "--no-progress", "--audit", *extra]
     env = {**os.environ, STAGING_ENV: "" if on == "cuda" else "standin"}
@@ -144,6 +144,22 @@ def test_training_on_the_device_survives_a_sigkill(tmp_path, overlap, on):
     assert summary["recoveries"] and summary["recoveries"][0]["removed"] == [1]
 
 
+@pytest.mark.cuda
+@pytest.mark.timeout(660)
+def test_a_spare_on_the_gpu_ends_bit_identical_to_the_failure_free_run(tmp_path):
+    """The spare builds on the dead slot's GPU and gets the live state: cuDNN's kernels are chosen
+    deterministic (device.select_device), so the run ends where the failure-free run ends, bit for bit."""
+    free_proc, free = _train(tmp_path, 3, "cuda", out="free")
+    proc, logs = _train(tmp_path, 4, "cuda", "--spares", "1", "--kill", "1@10:allreduce", out="spare")
+    ends = {r: [x for x in recs if x["event"] == "end"][0] for r, recs in logs.items()
+            if any(x["event"] == "end" for x in recs)}
+    free_ends = [x for recs in free.values() for x in recs if x["event"] == "end"]
+    assert sorted(ends) == [0, 1, 2], proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert all(e["world_history"] == [3, 3] for e in ends.values()), ends
+    assert {e["checksum"] for e in ends.values()} == {free_ends[0]["checksum"]}, (ends, free_ends)
+    assert all(row.exact for row in audit_logs(logs))
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("on", ON)
 def test_bench_gpu_quick(tmp_path, on):
@@ -159,6 +175,7 @@ def test_bench_gpu_quick(tmp_path, on):
     data = json.loads((tmp_path / "gpu.json").read_text())
     r = data["by_n"]["2"]
     assert r["ftsgd_replicas_equal"] and r["recovery_run"]["consistent"] and r["recovery_run"]["audit_exact"]
+    assert r["recovery_run"]["recovery"] and r["recovery_run"]["survivors"] == [0], r["recovery_run"]
     assert r["step_ms"]["allreduce"]["median"] > 0.01       # a reduction each call (synchronize is once per step)
     if on == "cuda":
         assert r["gpu"] and r["driver"] is not None and r["cuda"] and r["staging"] == ""
