@@ -338,15 +338,17 @@ class Trainer:
                 self.checkpointer.close()   # what is in flight must be durable before the job can end
 
     def _step(self, samples: int) -> None:
-        """Reduce and update; then the scaler and the schedule, as in a plain PyTorch loop."""
-        if self.scaler is None:
-            self.opt.step(samples=samples)
-        else:
-            self.opt.synchronize(samples=samples)
-            self.scaler.step(self.opt)      # skipped on every rank alike when the mean gradient overflowed
-            self.scaler.update()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        """Reduce and update; then the scaler and the schedule, as in a plain PyTorch loop (a newcomer that
+        joined at this step's commit gets their state after that)."""
+        with self.opt.defer_handover():
+            if self.scaler is None:
+                self.opt.step(samples=samples)
+            else:
+                self.opt.synchronize(samples=samples)
+                self.scaler.step(self.opt)      # skipped on every rank alike when the mean gradient overflowed
+                self.scaler.update()
+            if self.scheduler is not None:
+                self.scheduler.step()
 
     def _final_state(self) -> dict[str, Any]:
         """The state beyond the checksum that a replacement must have got: the lr, the scaler's."""
