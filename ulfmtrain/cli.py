@@ -16,6 +16,7 @@ from .modes import (
     DataPolicy,
     Device,
     LrScaling,
+    LrSchedule,
     Phase,
     Recovery,
     Reload,
@@ -50,6 +51,16 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr-scaling", choices=choices(LrScaling), default=LrScaling.LINEAR.value,
                    help="linear: after a shrink or a join the learning rate follows the global batch "
                         "(lr x live ranks / ranks at the start); none: keep --lr at any world size")
+    p.add_argument("--lr-schedule", choices=choices(LrSchedule), default=LrSchedule.CONSTANT.value,
+                   help="constant: --lr throughout; cosine: torch's CosineAnnealingLR from --lr down to 0 over "
+                        "the steps of a failure-free run (its state is handed to a spare or a newcomer)")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="dropout probability before the built-in model's classifier (default 0: none); each "
+                        "step's masks are seeded from --seed, the slot and the step, so a replacement draws "
+                        "the dead rank's masks")
+    p.add_argument("--amp", action="store_true",
+                   help="mixed precision: float16 autocast (on the CPU too) with a GradScaler, whose scale "
+                        "travels to a replacement; a step whose gradients overflow is skipped on every rank")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the initial model and the record order of every epoch (same seed, same run)")
     p.add_argument("--reload", choices=choices(Reload), default=Reload.PARTIAL.value,

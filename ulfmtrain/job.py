@@ -13,7 +13,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .faults import parse_kill
-from .modes import CheckpointStrategy, DataPolicy, Device, LrScaling, Phase, Recovery, Reload, Replace, UsageError
+from .modes import (
+    CheckpointStrategy,
+    DataPolicy,
+    Device,
+    LrScaling,
+    LrSchedule,
+    Phase,
+    Recovery,
+    Reload,
+    Replace,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import Checkpointer
@@ -32,6 +43,9 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-4
     lr_scaling: LrScaling = LrScaling.LINEAR   # after a shrink or a join, lr follows the global batch
+    lr_schedule: LrSchedule = LrSchedule.CONSTANT
+    dropout: float = 0.0         # before the built-in models' classifier (0: no dropout layer)
+    amp: bool = False            # float16 autocast and a GradScaler
     seed: int = 0
     reload: Reload = Reload.PARTIAL
     data_policy: DataPolicy = DataPolicy.EXACTLY_ONCE
@@ -82,6 +96,7 @@ class TrainJob:
 
         config = TrainConfig(epochs=ns.epochs, batch=ns.batch, lr=ns.lr, momentum=ns.momentum,
                              weight_decay=ns.weight_decay, lr_scaling=LrScaling(ns.lr_scaling), seed=ns.seed,
+                             lr_schedule=LrSchedule(ns.lr_schedule), dropout=ns.dropout, amp=ns.amp,
                              reload=Reload(ns.reload),
                              data_policy=DataPolicy(ns.data_policy), audit=ns.audit, bucket_bytes=ns.bucket_bytes,
                              overlap=ns.overlap, progress=not ns.no_progress, step_timeout=ns.step_timeout)
@@ -101,7 +116,8 @@ class TrainJob:
                 argv += [flag, str(value)]
         argv += ["--model", self.model, "--epochs", str(c.epochs), "--batch", str(c.batch), "--lr", repr(c.lr),
                  "--momentum", repr(c.momentum), "--weight-decay", repr(c.weight_decay),
-                 "--lr-scaling", c.lr_scaling.value, "--seed", str(c.seed),
+                 "--lr-scaling", c.lr_scaling.value, "--lr-schedule", c.lr_schedule.value,
+                 "--dropout", repr(c.dropout), "--seed", str(c.seed),
                  "--reload", c.reload.value, "--data-policy", c.data_policy.value,
                  "--bucket-bytes", str(c.bucket_bytes), "--step-timeout", repr(c.step_timeout),
                  "--out", str(self.out),
@@ -109,8 +125,8 @@ class TrainJob:
                  "--ckpt-every", str(k.every), "--ckpt-strategy", k.strategy.value,
                  "--ckpt-inflight", str(k.inflight), "--ckpt-keep", str(k.keep), "--spares", str(self.spares),
                  "--replace", self.replacement.value, "--device", self.device.value]
-        for flag, on in (("--audit", c.audit), ("--overlap", c.overlap), ("--no-progress", not c.progress),
-                         ("--ckpt-epoch", k.epoch), ("--resume", k.resume)):
+        for flag, on in (("--audit", c.audit), ("--amp", c.amp), ("--overlap", c.overlap),
+                         ("--no-progress", not c.progress), ("--ckpt-epoch", k.epoch), ("--resume", k.resume)):
             if on:
                 argv.append(flag)
         for spec in self.kill_specs:
@@ -130,6 +146,9 @@ class TrainJob:
         if not (math.isfinite(self.config.step_timeout) and self.config.step_timeout > 0):
             raise UsageError(f"--step-timeout {self.config.step_timeout:g}: give a positive number of seconds "
                              "(how long a rank may wait for the next step before the job ends; default 600)")
+        if not 0.0 <= self.config.dropout < 1.0:
+            raise UsageError(f"--dropout {self.config.dropout:g}: give the probability of zeroing an activation, "
+                             "0 <= P < 1 (0: no dropout)")
         for spec in self.kill_specs:
             kill = parse_kill(spec)
             if kill.phase == Phase.CHECKPOINT and kill.rank != 0:

@@ -80,6 +80,13 @@ class LrScaling(StrEnum):
     NONE = "none"          # the configured lr at any world size
 
 
+class LrSchedule(StrEnum):
+    """How the learning rate changes from step to step."""
+
+    CONSTANT = "constant"  # --lr throughout (before any world-size scaling)
+    COSINE = "cosine"      # torch's CosineAnnealingLR from --lr to 0 over the failure-free run's steps
+
+
 class CheckpointStrategy(StrEnum):
     """How rank 0 writes a checkpoint."""
 
@@ -225,7 +232,8 @@ def run(job: TrainJob) -> int:
             if not spare:
                 select_device(job.device, slot_local_rank(comm))
             torch.manual_seed(job.config.seed)   # the same --seed gives the same initial model, on any device
-            model = build_model(job.model, inputs=math.prod(shape), classes=classes, shape=shape)
+            model = build_model(job.model, inputs=math.prod(shape), classes=classes, shape=shape,
+                                dropout=job.config.dropout)
             model.to("cpu" if spare else device)
         except (FaultToleranceUnavailable, KillSpecError, DatasetError, UsageError, ValueError) as exc:
             # Every rank meets these alike: one of them says it.

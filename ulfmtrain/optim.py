@@ -114,6 +114,7 @@ class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
             setattr(comm, "handover", self)  # noqa: B010  # a SpareComm's: it calls handover_payload/take_handover
             self._keep_committed_buffers()
         self._received_at_init = False
+        self._deferring = False
         self._rng = (StepRng(model, lambda: self.comm.world_rank, lambda: self.step_count, hasattr(comm, "handover"))
                      if model is not None else None)
         if model is not None and self._rng is not None:

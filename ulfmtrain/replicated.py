@@ -6,9 +6,10 @@ the hand-over to replacements, and the checksum that proves the replicas identic
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,14 +35,30 @@ class ReplicatedState:
     _extra: ExtraState
     _rng: StepRng | None
     _received_at_init: bool
+    _deferring: bool              # inside defer_handover()
     _committed_buffers: dict[str, torch.Tensor] | None
 
     def hand_over_pending(self) -> None:
         """After a newcomer joined at a step boundary (the step committed): hand over once the update is applied,
         or at the next synchronize if the update was skipped (a GradScaler's inf step), or at the end."""
+        if self._deferring:
+            return
         if getattr(self.comm, "pending_handover", False):
             setattr(self.comm, "pending_handover", False)  # noqa: B010  # a SpareComm's
             self.comm.hand_over()       # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def defer_handover(self) -> Iterator[None]:
+        """Hand a newcomer that joined at this step's commit the state as it is when the block ends, not right
+        after the update: wrap step() and what your loop does after it, e.g. `scaler.step(opt);
+        scaler.update(); scheduler.step()`, so that the newcomer gets the stepped schedule and the updated
+        scale (else it starts one step behind the survivors)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        self.hand_over_pending()
 
     # -- the replicated state ----------------------------------------------------
     def _tensors(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from .events import EventLog
 from .extras import require
 from .faults import Kill
 from .job import TrainConfig
-from .modes import DataPolicy, LrScaling, Phase
+from .modes import DataPolicy, LrScaling, LrSchedule, Phase
 from .optim import FTSGD, DistributedOptimizer
 from .stall import Watchdog, step_watchdog
 
@@ -93,6 +93,19 @@ class Trainer:
                                       scale_lr=cfg.lr_scaling is LrScaling.LINEAR)
 
         self.opt.register_extra_state("sampler", self.sampler.state, self._set_sampler_state)
+        # The rest of the training state a replacement must get: the schedule's position, the scaler's scale.
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        if cfg.lr_schedule is LrSchedule.COSINE:
+            steps = max(-(-ranges_len(h) // cfg.batch) for h in holdings.values())   # an epoch, failure-free
+            self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs * max(steps, 1))
+            self.opt.register_state("lr_schedule", self.scheduler)
+        # float16, not bfloat16: a GradScaler exists for float16's narrow range (bfloat16 has float32's), and
+        # torch autocasts float16 on the CPU too, so the same run is tested here and meant on a GPU.
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.amp else None
+        if self.scaler is not None:
+            self.opt.register_state("grad_scaler", self.scaler)
+        if cfg.dropout > 0:        # every slot's masks are known at every step: a replacement draws the dead rank's
+            self.opt.seed_each_step(cfg.seed)
         self.opt.add_commit_hook(self.sampler.commit)
         if cfg.audit:
             self.opt.add_attempt_hook(self._audit)
@@ -178,10 +191,13 @@ class Trainer:
         self.opt.zero_grad()
         self.opt.begin_step(len(y))     # the weight of my gradient, before backward (overlap needs it)
         if len(y) == 0:          # my queue ran dry this epoch: I contribute nothing (weight 0)
+            if self.scaler is not None:     # its scale is made at the first scale(); step() needs it
+                self.scaler.scale(torch.zeros((), device=self.device))
             return float("nan"), 0
         hooks = faults.watch_backward(self.opt.params, step)
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
+        with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.scaler is not None):
+            loss = F.cross_entropy(self.model(x), y)
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         for h in hooks:
             h.remove()
         return float(loss.detach()), len(y)
@@ -296,7 +312,7 @@ class Trainer:
             while self.sampler.epoch < self.cfg.epochs:
                 t0, seen = time.perf_counter(), len(self.comm.events)
                 loss, samples = self._compute()
-                self.opt.step(samples=samples)
+                self._step(samples)
                 rec: dict[str, Any] = {"step": self.opt.step_count - 1, "epoch": self.sampler.epoch,
                                        "loss": loss, "samples": samples, "world": self.comm.size,
                                        "ms": (time.perf_counter() - t0) * 1e3}
@@ -321,6 +337,26 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.close()   # what is in flight must be durable before the job can end
 
+    def _step(self, samples: int) -> None:
+        """Reduce and update; then the scaler and the schedule, as in a plain PyTorch loop (a newcomer that
+        joined at this step's commit gets their state after that)."""
+        with self.opt.defer_handover():
+            if self.scaler is None:
+                self.opt.step(samples=samples)
+            else:
+                self.opt.synchronize(samples=samples)
+                self.scaler.step(self.opt)      # skipped on every rank alike when the mean gradient overflowed
+                self.scaler.update()
+            if self.scheduler is not None:
+                self.scheduler.step()
+
+    def _final_state(self) -> dict[str, Any]:
+        """The state beyond the checksum that a replacement must have got: the lr, the scaler's."""
+        state: dict[str, Any] = {"lr": self.opt.param_groups[0]["lr"]}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
     def _finish(self, t_start: float) -> dict[str, Any]:
         if self._bar is not None:
             self._bar.close()
@@ -335,10 +371,10 @@ class Trainer:
             "test_acc": self.evaluate(), "wall_s": time.perf_counter() - t_start,
             "checksum": crc & 0xFFFFFFFF, "consistent": consistent,
             "recoveries": [ev.to_json() for ev in self.comm.events],
-            "config": asdict(self.cfg),
+            "config": asdict(self.cfg), **self._final_state(),
         }
         self.log("end", **{k: summary[k] for k in ("steps", "world_history", "alive", "test_acc",
-                                                    "wall_s", "checksum", "consistent")})
+                                                    "wall_s", "checksum", "consistent", *self._final_state())})
         if self.out_dir is not None:
             self._write_summary(summary)
         return summary

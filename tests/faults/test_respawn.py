@@ -248,3 +248,15 @@ def test_open_mpi_returns_from_a_death_in_intercomm_create_and_not_in_merge(mpi,
         assert all(f"{who}: MPI_Intercomm_create returned" in out for who in survivors), out[-3000:]
         assert "MPI_Intercomm_merge returned" not in out and "MPI_Intercomm_merge failed" not in out, out[-3000:]
         assert "NBC_Progress: an error 75" in out and "Timeout (0:00:08)!" in out, out[-3000:]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_newcomer_gets_the_stepped_schedule_and_the_updated_scaler(mpi, digits_dir, tmp_path):
+    """A newcomer joins at a step's commit and is handed the state after that step's scaler update and
+    scheduler step, not right after the optimizer's update: before the fix (defer_handover) it started
+    one step behind (its lr and growth count differed) and the replicas ended inconsistent."""
+    argv = ["train", "--data", str(digits_dir), "--epochs", "2", "--batch", "48", *TRAIN, "--model", "cnn",
+            "--dropout", "0.3", "--lr-schedule", "cosine", "--amp", "--kill", "1@4"]
+    ends, _, _ = mpi.train_slots(3, argv, tmp_path, 2, BOUND_S, [0, 1, 2])    # one replica, every record once
+    assert sizes(ends[0]["world_history"]) == [3, 2, 3], ends[0]
+    assert len({json.dumps([e["lr"], e["grad_scaler"]]) for e in ends.values()}) == 1, ends

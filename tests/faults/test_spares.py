@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -211,3 +212,64 @@ def test_a_spare_killed_while_it_takes_over(mpi, digits_dir, tmp_path):
     assert ends[0]["world_history"][-1] == SLOTS - 1 and ends[0]["alive"] == [0, 2], ends[0]
     rows = audit_logs(logs)
     assert len(rows) == epochs and all(r.exact and r.finished for r in rows), rows
+
+
+@pytest.mark.timeout(3 * BOUND_S)
+def test_dropout_a_cosine_schedule_and_a_grad_scaler_travel_to_spares_bit_identical(mpi, digits_dir, tmp_path):
+    """The whole training state goes to a replacement: with dropout, a cosine LR schedule and mixed precision
+    (float16 autocast, a GradScaler), two spares take slot 1 (SIGKILL in its backward) and then slot 0 (an
+    uncaught exception in its allreduce), and every slot ends where the failure-free run ends: the weights
+    (checksum), the learning rate and the scaler's state (a spare's own scaler would count its growth from
+    the step it joined; its own generator would draw other dropout masks)."""
+    # Batches of 48: 10 steps an epoch, so that the two runs take seconds.
+    argv = ["train", "--data", str(digits_dir), *TRAIN, "--batch", "48", "--dropout", "0.3", "--lr-schedule",
+            "cosine", "--amp"]
+    free, _, _ = mpi.train_slots(SLOTS, argv, tmp_path / "free", EPOCHS, BOUND_S, list(range(SLOTS)))
+    kills = ["--kill", "1@4:backward", "--kill", "0@13:allreduce/raise"]
+    got, logs, err = mpi.train_slots(SLOTS + 2, [*argv, "--spares", "2", *kills], tmp_path / "spares", EPOCHS,
+                                     BOUND_S, list(range(SLOTS)))
+    assert err.count("injected failure 0@13:allreduce/raise") == 1, err[-3000:]
+    assert got[2]["world_history"] == [SLOTS] * 3, got[2]
+    assert [list(r["replaced"]) for r in select(logs[2], "recovery")] == [["1"], ["0"]]
+    # What makes these checks strict: a schedule that moved, a scaler that counted steps.
+    assert free[0]["lr"] < 0.05 / 10 and free[0]["grad_scaler"]["_growth_tracker"] > 0, free[0]
+    for slot in range(SLOTS):
+        assert {k: got[slot][k] for k in ("checksum", "lr", "grad_scaler", "steps")} == \
+               {k: free[slot][k] for k in ("checksum", "lr", "grad_scaler", "steps")}, (slot, got[slot], free[slot])
+
+
+def _launch_script(script: Path, out: Path, spares: int, kill: str | None) -> tuple[dict[int, dict], str]:
+    """`launch -n SLOTS --spares K -- python SCRIPT OUT` as a user runs it; each slot's OUT/rank<slot>.json."""
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "ULFMTRAIN_KILL"}
+    if kill:
+        env["ULFMTRAIN_KILL"] = kill
+    cmd = [sys.executable, "-m", "ulfmtrain", "launch", "-n", str(SLOTS), "--spares", str(spares), "--",
+           "python", str(script), str(out)]
+    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    # Training completed on every slot: a true status 0 (the exit protocol), whatever failed on the way.
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}, proc.stderr
+
+
+@pytest.mark.timeout(3 * BOUND_S)
+def test_a_grad_scaler_in_your_own_script_travels_to_spares(mpi, tmp_path):
+    """A script of your own (ulfmtrain.connect()) with float16 autocast, a GradScaler whose scale grows every
+    2 steps and backs off at an overflow (step 2), a cosine schedule and dropout: two spares take slot 1
+    (SIGKILL in forward) and slot 0 (an exception in the allreduce), and every slot ends with the failure-free
+    run's weights, scale and schedule; each replacement's scales, from the step it joined, are the dead rank's."""
+    script = mpi.root / "tests" / "scripts" / "scaler_spare.py"
+    free, _ = _launch_script(script, tmp_path / "free", 0, None)
+    assert sorted(free) == [0, 1, 2] and len({f["checksum"] for f in free.values()}) == 1, free
+    scales = free[0]["scales"]
+    assert scales["2"] < scales["1"] and max(scales.values()) > 2.0**10, scales    # backed off, and grew
+    got, err = _launch_script(script, tmp_path / "spares", 2, "1@5,0@9:allreduce/raise")
+    assert err.count("injected failure 0@9:allreduce/raise") == 1, err[-3000:]
+    assert sorted(got) == [0, 1, 2] and [got[s]["joined"] for s in range(SLOTS)] == [True, True, False], got
+    assert got[2]["history"] == [SLOTS] * 3, got[2]
+    for slot in range(SLOTS):
+        for key in ("checksum", "scaler", "lr", "schedule", "steps"):
+            assert got[slot][key] == free[slot][key], (slot, key, got[slot][key], free[slot][key])
+        mine = got[slot]["scales"]
+        assert mine == {k: v for k, v in free[slot]["scales"].items() if k in mine}, (slot, mine)
+    assert min(int(k) for k in got[1]["scales"]) == 5 and min(int(k) for k in got[0]["scales"]) == 9, got

@@ -77,3 +77,43 @@ def test_the_slot_not_the_process_picks_the_gpu(monkeypatch):
     assert device_for("cuda", 2) == torch.device("cuda", 0)    # several slots per GPU: L % G
     assert device_for("cuda", 3) == torch.device("cuda", 1)
     assert device_for("cpu", 3) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["cnn", "cnn-bn", "resnet18"])
+def test_dropout_keeps_the_models_state_dict_and_initial_weights(name):
+    shape = (3, 32, 32) if name == "resnet18" else (1, 8, 8)
+    torch.manual_seed(0)
+    plain = build_model(name, shape=shape)
+    torch.manual_seed(0)
+    dropped = build_model(name, shape=shape, dropout=0.5)
+    assert any(isinstance(m, torch.nn.Dropout) for m in dropped.modules())
+    assert not any(isinstance(m, torch.nn.Dropout) for m in plain.modules())
+    a, b = plain.state_dict(), dropped.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)   # checkpoints, same seed: same start
+    x = torch.randn(4, *shape)
+    assert torch.equal(dropped.eval()(x), plain.eval()(x))    # evaluation: no dropout
+    dropped.train()
+    assert not torch.equal(dropped(x), dropped(x))       # training: it drops, two draws differ
+
+
+def test_dropout_on_a_model_factory_or_out_of_range_is_one_line():
+    with pytest.raises(ValueError, match="put nn.Dropout layers in your model factory"):
+        build_model("ulfmtrain.models:large_mlp", dropout=0.1)
+    from ulfmtrain.cli import build_parser
+    from ulfmtrain.job import TrainJob
+
+    for bad in ("1", "-0.1"):
+        job = TrainJob.from_args(build_parser().parse_args(["train", "--data", "d", "--dropout", bad]))
+        with pytest.raises(UsageError, match="0 <= P < 1"):
+            job.validate()
+
+
+def test_dropout_schedule_and_amp_survive_the_round_trip_to_argv():
+    """Relaunches (supervise, reinit's replacements) rebuild the command line from the job."""
+    from ulfmtrain.cli import build_parser
+    from ulfmtrain.job import TrainJob
+
+    argv = ["train", "--data", "d", "--dropout", "0.25", "--lr-schedule", "cosine", "--amp"]
+    job = TrainJob.from_args(build_parser().parse_args(argv))
+    assert (job.config.dropout, job.config.lr_schedule, job.config.amp) == (0.25, "cosine", True)
+    assert TrainJob.from_args(build_parser().parse_args(job.to_argv())) == job
