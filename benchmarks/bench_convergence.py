@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "convergence"
 # Forward and 25/50/75 % of backward: the issue's and paper 000's failure points; update: after the
@@ -56,7 +56,7 @@ def plan_epochs(records: int, n: int, batch: int, steps: int, kill_step: int) ->
 def run_training(n: int, label: str, kill: str | None, data: Path, epochs: int, work: Path,
                  args: argparse.Namespace) -> dict[str, Any]:
     """Train once under mpirun; return the summary, curves and recovery event."""
-    from ulfmtrain.events import loss_curve, read_rank_logs
+    from ulfmtrain.core.events import loss_curve, read_rank_logs
 
     out = work / f"n{n}_{label}"
     shutil.rmtree(out, ignore_errors=True)

@@ -54,9 +54,9 @@ def _step_impls(world: Any, a: argparse.Namespace, device: Any) -> tuple[dict[st
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ulfmtrain.comm import FaultTolerantComm
-    from ulfmtrain.models import build_model
-    from ulfmtrain.optim import FTSGD
+    from ulfmtrain.training.models import build_model
+    from ulfmtrain.training.optim import FTSGD
+    from ulfmtrain.transport.comm import FaultTolerantComm
 
     shape = SHAPES[a.model]
     torch.manual_seed(0)
@@ -138,7 +138,7 @@ def worker(argv: list[str]) -> None:
     import torch
     from mpi4py import MPI
 
-    from ulfmtrain.device import select_device
+    from ulfmtrain.training.device import select_device
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
@@ -184,8 +184,8 @@ def _gpu_info(device: Any) -> dict[str, Any]:
 
 def recovery(n: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """`train` with one SIGKILL on the device: the survivors' recovery breakdown and device memory."""
+    from ulfmtrain.core.events import read_rank_logs
     from ulfmtrain.data.sources import synthetic_dataset
-    from ulfmtrain.events import read_rank_logs
 
     # One dataset per world size: 12 global batches, so the kill at step 6 falls inside the epoch for every n
     # (a file shared between sizes left a larger world with fewer steps than the kill's: no failure, "0 ms").
@@ -207,7 +207,7 @@ def recovery(n: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"bench_gpu: the recovery run at {n} ranks recorded no recovery (was rank 1 killed at step "
                          f"{kill_step}?):\n{common.log_tail(launch.log)}")
     mem = {r: [x["cuda_mem"] for x in logs[r] if x["event"] == "step" and "cuda_mem" in x] for r in survivors}
-    from ulfmtrain.audit import audit_logs
+    from ulfmtrain.tools.audit import audit_logs
     return {"kill": f"1@{kill_step}", "survivors": survivors, "recovery": rec,
             "consistent": all(e[0]["consistent"] for e in ends.values() if e),
             "audit_exact": all(r.exact for r in audit_logs(logs)),
@@ -217,7 +217,7 @@ def recovery(n: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(by_n: dict[str, Any], path: Path) -> None:
     """Median step time of every implementation, by number of ranks."""
-    from ulfmtrain.plots import pyplot
+    from ulfmtrain.tools.plots import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -248,13 +248,13 @@ def main(argv: list[str]) -> int:
     common.add_common_args(p, timeout=900)
     args = p.parse_args(argv)
     if args.device == "cuda":
-        from ulfmtrain.device import cuda_missing
+        from ulfmtrain.training.device import cuda_missing
 
         if (why := cuda_missing()) is not None:
             print(f"bench_gpu: no GPU here ({why}): nothing measured; `--device cpu` measures the CPU path")
             return 0
     if args.device == "standin":        # the ranks (the workers and the recovery run's) inherit it
-        from ulfmtrain.streams import STAGING_ENV
+        from ulfmtrain.training.streams import STAGING_ENV
 
         os.environ[STAGING_ENV], args.device = "standin", "cpu"
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_gpu."))

@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "overhead"
 IMPLS = ("ft", "ftcoll", "mpi", "gloo")
@@ -56,7 +56,7 @@ STEP_MODELS: dict[str, tuple[tuple[int, ...], int, str]] = {
 
 def make_model(name: str):
     """Build a step-throughput model (same seed, same weights on every call after manual_seed)."""
-    from ulfmtrain.models import MLP, DigitsCNN
+    from ulfmtrain.training.models import MLP, DigitsCNN
 
     return DigitsCNN(10) if name == "cnn" else MLP(1024, hidden=(1024, 1024), classes=10)
 
@@ -200,7 +200,7 @@ def _step_throughput(world, ft, model_name: str, steps: int, warmup: int, rounds
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ulfmtrain import _ftcoll
-    from ulfmtrain.optim import FTSGD
+    from ulfmtrain.training.optim import FTSGD
 
     shape, batch, _ = STEP_MODELS[model_name]
     n, rank = world.Get_size(), world.Get_rank()
@@ -303,7 +303,7 @@ def worker(argv: list[str]) -> None:
     import torch
     from mpi4py import MPI
 
-    from ulfmtrain.comm import FaultTolerantComm
+    from ulfmtrain.transport.comm import FaultTolerantComm
 
     torch.set_num_threads(1)    # one rank per core; more threads only fight
     world = MPI.COMM_WORLD

@@ -1,6 +1,6 @@
 """ulfmtrain beside the peers a user would pick instead: torch DDP restarted by torchrun, and torchft.
 
-The same job for every system: the digits CNN (ulfmtrain/models.py) on
+The same job for every system: the digits CNN (ulfmtrain/training/models.py) on
 scikit-learn's digits (1664 training records, a multiple of 4 x 32, so no
 sampler pads or drops a record), 4 ranks or replica groups, batch 32 per rank,
 SGD (lr 0.05, momentum 0.9, weight decay 1e-4), EPOCHS epochs.  Each system
@@ -54,8 +54,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ulfmtrain.events import Event, read_rank_logs, select  # noqa: E402
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.core.events import Event, read_rank_logs, select  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "peers"
 RANKS, BATCH, RECORDS = 4, 32, 1664

@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "reload"
 MODES = ("partial", "full")
@@ -83,10 +83,10 @@ def worker(argv: list[str]) -> None:
 
     import numpy as np
 
-    from ulfmtrain.comm import FaultTolerantComm
     from ulfmtrain.data.format import DatasetFile
     from ulfmtrain.data.plan import initial_holdings, plan_recovery
     from ulfmtrain.data.shard import LocalShard
+    from ulfmtrain.transport.comm import FaultTolerantComm
 
     ft = FaultTolerantComm()
     me, n = ft.world_rank, ft.size

@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "shrink"
 # Per-survivor quantities, in ms, in the order they happen.
@@ -82,7 +82,7 @@ def worker(argv: list[str]) -> None:
 
     import numpy as np
 
-    from ulfmtrain.comm import FaultTolerantComm
+    from ulfmtrain.transport.comm import FaultTolerantComm
 
     ft = FaultTolerantComm()
     me, n = ft.world_rank, ft.size

@@ -41,11 +41,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ulfmtrain import atomic  # noqa: E402
-from ulfmtrain.audit import audit_logs  # noqa: E402
-from ulfmtrain.demo import RECOVERY_PARTS  # noqa: E402
-from ulfmtrain.events import read_rank_logs, select  # noqa: E402
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.core import atomic  # noqa: E402
+from ulfmtrain.core.events import read_rank_logs, select  # noqa: E402
+from ulfmtrain.tools.audit import audit_logs  # noqa: E402
+from ulfmtrain.tools.demo import RECOVERY_PARTS  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "soak"
 SLOW_DETECT_MS = 1000.0

@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "spawn_link"
 CHILD = "_child"        # first argument of the spawned process

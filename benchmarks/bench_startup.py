@@ -25,8 +25,8 @@ import common  # noqa: E402  (it imports ulfmtrain, which runs MPI_Init in a ran
 
 INIT_S = time.time() - T_IMPORT
 
-from ulfmtrain.launch import NO_OFI  # noqa: E402
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.launching.launch import NO_OFI  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "startup"
 CHILD = "_child"          # first argument of a spawned process

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ulfmtrain import atomic
-from ulfmtrain.launch import mpirun_command, mpirun_prefix
+from ulfmtrain.core import atomic
+from ulfmtrain.launching.launch import mpirun_command, mpirun_prefix
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -172,7 +172,7 @@ def finalize_rank(timeout: float = 3.0) -> None:
     """MPI_Finalize, bounded: after a failure it can hang (ompi #11404), and results are already written."""
     # The runtime's own bounded finalize (a C watchdog: mpi4py's Finalize holds the GIL),
     # so there is one policy for how long to wait.
-    from ulfmtrain.lifecycle import finalize
+    from ulfmtrain.transport.lifecycle import finalize
 
     os._exit(finalize(timeout, 0))
 

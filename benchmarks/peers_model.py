@@ -2,7 +2,7 @@
 
 One file for all three systems: ulfmtrain loads it by name (`train --model
 peers_model:digits_cnn`), the DDP and torchft workers import it.  It loads
-ulfmtrain/models.py by path, so the torchft virtualenv (which has no
+ulfmtrain/training/models.py by path, so the torchft virtualenv (which has no
 ulfmtrain) trains the very same class.
 
 The kill comes from outside (the driver's SIGKILL), at a program point the same

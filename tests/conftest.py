@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ulfmtrain.launch import mpirun_command, mpirun_prefix
+from ulfmtrain.launching.launch import mpirun_command, mpirun_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked cuda skip with one line where no GPU can be used (CI has none)."""
     if not any("cuda" in item.keywords for item in items):
         return
-    from ulfmtrain.device import cuda_missing
+    from ulfmtrain.training.device import cuda_missing
 
     why = cuda_missing()
     if why:
@@ -111,8 +111,8 @@ def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: fl
                 env: dict | None = None) -> tuple[dict[int, dict], dict[int, list[dict]], str]:
     """Run `train ARGV --out OUT` on `ranks` ranks; check that the slots `ended` end, on one replica, with every
     record of every epoch seen exactly once; return each slot's end record, the logs and mpirun's stderr."""
-    from ulfmtrain.audit import audit_logs
-    from ulfmtrain.events import read_rank_logs, select
+    from ulfmtrain.core.events import read_rank_logs, select
+    from ulfmtrain.tools.audit import audit_logs
 
     proc = run_mpi(ranks, [*argv, "--out", str(out)], timeout, env=env)
     logs = read_rank_logs(out)

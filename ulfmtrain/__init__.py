@@ -7,7 +7,7 @@ In a rank that mpirun started, importing the package initializes MPI, within
 $ULFMTRAIN_INIT_TIMEOUT seconds (60): a rank that died during start-up would
 otherwise leave the others waiting in MPI_Init for ever.  Programs that use
 MPI.COMM_WORLD directly after `import ulfmtrain` find MPI initialized as
-mpi4py would have left it; see lifecycle.start_at_import.
+mpi4py would have left it; see transport/lifecycle.start_at_import.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from . import lifecycle
+from .transport import lifecycle
 
 # Before anything imports mpi4py.MPI, which would initialize MPI with no bound.
 lifecycle.start_at_import()
@@ -25,16 +25,22 @@ try:
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
+# The layers, lowest first: a module imports only from its own layer and the ones below (tests/test_style.py
+# holds it, imports inside functions included).  The extension _ftcoll is below them all; cli, __main__ and
+# this file are above.  Each package's docstring says what it holds.
+_LAYERS = ("core", "transport", "training", "membership", "job", "launching", "tools")
+
 # The public API: what a training program needs.  Everything else stays importable from its module
-# (ulfmtrain.data, ulfmtrain.checkpoint, ulfmtrain.faults, ...).  README.md lists these names.
+# (ulfmtrain.data, ulfmtrain.checkpoint, ulfmtrain.transport.faults, ...).  README.md lists these names.
 _EXPORTS = {
-    "FaultTolerantComm": "comm", "FaultToleranceUnavailable": "comm", "FaultPathError": "comm",
-    "DistributedOptimizer": "optim", "FTSGD": "optim",
-    "distributed_sampler": "data", "ExactlyOnceSampler": "data.loader", "connect": "script",
-    "Trainer": "trainer", "TrainConfig": "job",
+    "FaultTolerantComm": "transport.comm", "FaultToleranceUnavailable": "transport.comm",
+    "FaultPathError": "transport.comm",
+    "DistributedOptimizer": "training.optim", "FTSGD": "training.optim",
+    "distributed_sampler": "data", "ExactlyOnceSampler": "data.loader", "connect": "job.script",
+    "Trainer": "training.trainer", "TrainConfig": "training.config",
     "Checkpointer": "checkpoint", "CheckpointError": "checkpoint",
     "digits_to_dataset": "data", "arrays_to_dataset": "data", "DatasetError": "data",
-    "parse_kills": "faults", "KillSpecError": "faults",
+    "parse_kills": "transport.faults", "KillSpecError": "transport.faults",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from .job import DEFAULT_BATCH, DEFAULT_BUCKET_BYTES, TrainJob
-from .modes import (
+from .core.modes import (
     PROG,
     CheckpointStrategy,
     DataPolicy,
@@ -24,6 +23,7 @@ from .modes import (
     UsageError,
     choices,
 )
+from .training.config import DEFAULT_BATCH, DEFAULT_BUCKET_BYTES, TrainJob
 
 T = TypeVar("T")
 
@@ -112,7 +112,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .modes import run
+    from .core.modes import run
 
     return run(TrainJob.from_args(args))
 
@@ -120,7 +120,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     import os
 
-    from .launch import COMMANDS, REPLACE_ENV, SPARES_ENV, launch
+    from .launching.launch import COMMANDS, REPLACE_ENV, SPARES_ENV, launch
 
     argv = list(args.argv)
     if argv and argv[0] == "--":
@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use a synthetic dataset of this many MiB instead of digits")
     p.add_argument("--features", type=int, default=1024, help="features per synthetic record")
     p.add_argument("--model", default=None, help="cnn, mlp or package.module:factory (default: cnn on digits, "
-                                                  "mlp on synthetic data; ulfmtrain.models:large_mlp is a "
+                                                  "mlp on synthetic data; ulfmtrain.training.models:large_mlp is a "
                                                   "6.3 M-parameter MLP for synthetic data)")
     _device_flag(p)
     p.add_argument("-n", "--ranks", type=int, default=4, help="training ranks of every run")
@@ -309,25 +309,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         return cmd_train(args)
     from .data.format import DatasetError
-    from .faults import KillSpecError
+    from .transport.faults import KillSpecError
     try:
         if args.command == "launch":
             return cmd_launch(args)
         if args.command == "demo":
-            from .demo import DemoOptions, run_demo
+            from .tools.demo import DemoOptions, run_demo
             return run_demo(_options(DemoOptions, args))
         if args.command == "supervise":
-            from . import supervise
+            from .launching import supervise
             return supervise.main(args.n, _train_job(args.argv), max_attempts=args.max_attempts,
                                   relaunch=args.relaunch, min_ranks=args.min_ranks, timeout=args.timeout,
                                   mpirun_args=args.mpirun_arg, hostfile=args.hostfile, probe_port=args.probe_port,
                                   start_timeout=args.start_timeout)
         if args.command == "audit":
-            from .audit import main as audit_main
+            from .tools.audit import main as audit_main
             return audit_main(args.out)
         if args.command == "compare":
-            from .compare import CompareOptions
-            from .compare import main as compare_main
+            from .tools.compare import CompareOptions
+            from .tools.compare import main as compare_main
             return compare_main(_options(CompareOptions, args))
         return cmd_data(args)
     except (UsageError, DatasetError, KillSpecError, FileNotFoundError) as exc:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import read_rank_logs, select
+from ulfmtrain.core.events import read_rank_logs, select
+from ulfmtrain.tools.audit import audit_logs
 
 pytestmark = pytest.mark.faults
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import read_rank_logs, select
-from ulfmtrain.launch import mpirun_command
+from ulfmtrain.core.events import read_rank_logs, select
+from ulfmtrain.launching.launch import mpirun_command
+from ulfmtrain.tools.audit import audit_logs
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 150                  # a run of 2 epochs takes 10-40 s on a shared 2-core box; a hang is any run past this

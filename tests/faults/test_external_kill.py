@@ -17,9 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import read_rank_logs
-from ulfmtrain.launch import mpirun_prefix
+from ulfmtrain.core.events import read_rank_logs
+from ulfmtrain.launching.launch import mpirun_prefix
+from ulfmtrain.tools.audit import audit_logs
 
 pytestmark = pytest.mark.faults
 RANKS, BOUND_S = 4, 90

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import read_rank_logs, select
-from ulfmtrain.launch import mpirun_prefix
+from ulfmtrain.core.events import read_rank_logs, select
+from ulfmtrain.launching.launch import mpirun_prefix
+from ulfmtrain.tools.audit import audit_logs
 
 pytestmark = pytest.mark.faults
 RANKS, BOUND_S = 4, 240
@@ -28,7 +28,7 @@ MODEL = ["--model", "cnn-bn", "--bucket-bytes", "20000"]    # 4 gradient buckets
 def _ours(out: Path) -> set[int]:
     """Processes of the job writing to `out` (its ranks name it) and fork servers still running."""
     found = set()
-    for pattern in (str(out), f"^{sys.executable} -P -m ulfmtrain.forkserver "):
+    for pattern in (str(out), f"^{sys.executable} -P -m ulfmtrain.membership.forkserver "):
         found |= {int(p) for p in subprocess.run(["pgrep", "-f", pattern], capture_output=True,
                                                   text=True).stdout.split()}
     return found - {os.getpid()}

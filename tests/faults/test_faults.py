@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from ulfmtrain.audit import audit_logs
+from ulfmtrain.core.events import read_rank_logs, select
 from ulfmtrain.data.format import DatasetFile
 from ulfmtrain.data.plan import check_coverage, initial_holdings, plan_recovery
-from ulfmtrain.events import read_rank_logs, select
-from ulfmtrain.faults import parse_kills
-from ulfmtrain.job import TrainConfig
+from ulfmtrain.tools.audit import audit_logs
+from ulfmtrain.training.config import TrainConfig
+from ulfmtrain.transport.faults import parse_kills
 
 pytestmark = pytest.mark.faults
 RANKS, EPOCHS, BOUND_S = 4, 3, 120

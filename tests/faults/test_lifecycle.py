@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain import lifecycle
-from ulfmtrain.launch import mpirun_prefix
+from ulfmtrain.launching.launch import mpirun_prefix
+from ulfmtrain.transport import lifecycle
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 INIT_TIMEOUT = 5.0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain.events import select
+from ulfmtrain.core.events import select
 
 pytestmark = pytest.mark.faults
 _spec = importlib.util.spec_from_file_location("fuzz_membership", Path(__file__).with_name("fuzz_membership.py"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain.events import read_rank_logs
+from ulfmtrain.core.events import read_rank_logs
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 SUBNET = "10.213.0"
@@ -154,7 +154,7 @@ def test_agent_launch_survives_a_whole_host_killed(two_hosts, digits_dir, tmp_pa
     host a's ranks train on with identical replicas and every record seen once per epoch."""
     import time
 
-    from ulfmtrain.audit import audit_logs
+    from ulfmtrain.tools.audit import audit_logs
 
     hosts, agent, hostfile = two_hosts
     a, b = list(hosts)
@@ -484,8 +484,8 @@ def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):
     import socket
     import threading
 
-    from ulfmtrain import agent as agent_mod
-    from ulfmtrain.launch import mpirun_prefix
+    from ulfmtrain.launching import agent as agent_mod
+    from ulfmtrain.launching.launch import mpirun_prefix
 
     head = socket.create_server(("127.0.0.1", 0))
     refused: list[str] = []
@@ -509,7 +509,7 @@ def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):
 
     threading.Thread(target=accept, daemon=True).start()
     out = tmp_path / "out"
-    tether = Path(agent_mod.__file__).with_name("tether.py")
+    tether = Path(agent_mod.__file__).parent.parent / "transport" / "tether.py"
     cmd = [*mpirun_prefix(3), sys.executable, "-P", str(tether), sys.executable, "-P", "-m", "ulfmtrain", "train",
            "--data", str(digits_dir), "--out", str(out), "--epochs", "3", "--model", "mlp", "--no-progress",
            "--kill", "2@20"]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from ulfmtrain.checkpoint.format import list_checkpoints, load_latest, read_pointer
+from ulfmtrain.core.events import read_rank_logs
 from ulfmtrain.data.format import DatasetFile
 from ulfmtrain.data.plan import initial_holdings
-from ulfmtrain.events import read_rank_logs
 
 pytestmark = pytest.mark.faults
 RANKS, EPOCHS, EVERY = 4, 3, 10     # digits: 23 steps per epoch on 4 ranks, 69 in all
@@ -36,7 +36,7 @@ def diag(proc: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path) -> dict:
     """A failure-free restart-mode run (plain MPI, checkpoints every 10 steps): the parameters to reproduce."""
-    from ulfmtrain.launch import mpirun_command
+    from ulfmtrain.launching.launch import mpirun_command
 
     out = tmp_path_factory.mktemp("reference")
     cmd = mpirun_command(RANKS, train_argv(digits_dir, out), ft=False)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import read_rank_logs, select
-from ulfmtrain.job import TrainConfig
-from ulfmtrain.respawn import LEAVE_S, SPAWN_RETRIES
+from ulfmtrain.core.events import read_rank_logs, select
+from ulfmtrain.membership.respawn import LEAVE_S, SPAWN_RETRIES
+from ulfmtrain.tools.audit import audit_logs
+from ulfmtrain.training.config import TrainConfig
 
 pytestmark = pytest.mark.faults
 BOUND_S = 180

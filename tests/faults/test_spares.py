@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import read_rank_logs, select
-from ulfmtrain.launch import mpirun_command
+from ulfmtrain.core.events import read_rank_logs, select
+from ulfmtrain.launching.launch import mpirun_command
+from ulfmtrain.tools.audit import audit_logs
 
 pytestmark = pytest.mark.faults
 SLOTS, EPOCHS, BOUND_S = 3, 2, 150

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ulfmtrain.events import read_rank_logs, select
-from ulfmtrain.launch import mpirun_command
+from ulfmtrain.core.events import read_rank_logs, select
+from ulfmtrain.launching.launch import mpirun_command
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 RANKS, STEP_TIMEOUT = 4, 4.0

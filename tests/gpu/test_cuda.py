@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ulfmtrain.audit import audit_logs
-from ulfmtrain.events import read_rank_logs
-from ulfmtrain.optim import FTSGD
-from ulfmtrain.streams import STAGING_ENV, StandInStreams
+from ulfmtrain.core.events import read_rank_logs
+from ulfmtrain.tools.audit import audit_logs
+from ulfmtrain.training.optim import FTSGD
+from ulfmtrain.training.streams import STAGING_ENV, StandInStreams
 
 ON = [pytest.param("cuda", marks=pytest.mark.cuda), "standin"]
 # rtol, atol.  Half precision is exact: 24 g sums exactly in float32 and the float32 mean lies within a float32
@@ -102,7 +102,7 @@ def test_checksum_of_device_tensors_equals_the_host_copy_s(fake_comm):
 
 def _train(tmp_path: Path, n: int, on: str, *extra: str, timeout: float = 600,
            out: str = "out") -> tuple[subprocess.CompletedProcess, dict]:
-    from ulfmtrain.launch import mpirun_command
+    from ulfmtrain.launching.launch import mpirun_command
 
     data = tmp_path / "data.ulfmds"
     # On a GPU: ResNet-18 on CIFAR-shaped records; the stand-in: the batch-norm CNN on digit-shaped ones (2 cores)

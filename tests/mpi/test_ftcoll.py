@@ -7,10 +7,10 @@ import torch
 from mpi4py import MPI
 
 from ulfmtrain import _ftcoll
-from ulfmtrain.comm import FaultTolerantComm, PlainComm
 from ulfmtrain.data.format import DatasetFile
-from ulfmtrain.models import MLP, DigitsCNN
-from ulfmtrain.trainer import TrainConfig, Trainer
+from ulfmtrain.training.models import MLP, DigitsCNN
+from ulfmtrain.training.trainer import TrainConfig, Trainer
+from ulfmtrain.transport.comm import FaultTolerantComm, PlainComm
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

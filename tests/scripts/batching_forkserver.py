@@ -5,7 +5,7 @@ import selectors
 import sys
 import time
 
-from ulfmtrain import forkserver
+from ulfmtrain.membership import forkserver
 
 
 class BatchingSelector(selectors.DefaultSelector):

@@ -11,8 +11,8 @@ import os
 import signal
 import sys
 
-from ulfmtrain import comm as comm_module
-from ulfmtrain.comm import FaultTolerantComm
+from ulfmtrain.transport import comm as comm_module
+from ulfmtrain.transport.comm import FaultTolerantComm
 
 out, case = sys.argv[1], sys.argv[2]
 ft = FaultTolerantComm()

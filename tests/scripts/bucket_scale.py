@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from ulfmtrain import faults
-from ulfmtrain.comm import FaultTolerantComm
-from ulfmtrain.optim import FTSGD
+from ulfmtrain.training.optim import FTSGD
+from ulfmtrain.transport import faults
+from ulfmtrain.transport.comm import FaultTolerantComm
 
 out = sys.argv[1]
 ft = FaultTolerantComm()

@@ -16,8 +16,9 @@ import sys
 
 import torch
 
-from ulfmtrain import DistributedOptimizer, FaultTolerantComm, faults
-from ulfmtrain.streams import StandInStreams
+from ulfmtrain import DistributedOptimizer, FaultTolerantComm
+from ulfmtrain.training.streams import StandInStreams
+from ulfmtrain.transport import faults
 
 out = sys.argv[1]
 comm = FaultTolerantComm()

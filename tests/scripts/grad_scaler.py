@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from ulfmtrain import DistributedOptimizer, FaultTolerantComm, faults
+from ulfmtrain import DistributedOptimizer, FaultTolerantComm
+from ulfmtrain.transport import faults
 
 out = sys.argv[1]
 overlap = sys.argv[2:] == ["overlap"]

@@ -75,7 +75,7 @@ elif mode in ("probe", "mpi4py-first"):
 elif mode == "finalize-ok":
     from mpi4py import MPI
 
-    from ulfmtrain import lifecycle
+    from ulfmtrain.transport import lifecycle
 
     MPI.COMM_WORLD.Barrier()
     t0 = time.time()
@@ -90,7 +90,7 @@ elif mode == "finalize-ok":
 elif mode == "finalize-hang":
     from mpi4py import MPI
 
-    from ulfmtrain import lifecycle
+    from ulfmtrain.transport import lifecycle
 
     MPI.COMM_WORLD.Barrier()
     if rank == 1:

@@ -13,10 +13,11 @@ import sys
 import torch
 from mpi4py import MPI
 
-from ulfmtrain import DistributedOptimizer, faults
-from ulfmtrain.device import local_rank, slot_local_rank
-from ulfmtrain.respawn import RespawnComm
-from ulfmtrain.spares import SpareComm
+from ulfmtrain import DistributedOptimizer
+from ulfmtrain.membership.respawn import RespawnComm
+from ulfmtrain.membership.spares import SpareComm
+from ulfmtrain.training.device import local_rank, slot_local_rank
+from ulfmtrain.transport import faults
 
 out, mode = sys.argv[1], sys.argv[2]
 comm = RespawnComm(0, [sys.executable, "-P", __file__, out, mode]) if mode == "respawn" else SpareComm(1)

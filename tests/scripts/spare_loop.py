@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from ulfmtrain import DistributedOptimizer, distributed_sampler, faults
-from ulfmtrain.respawn import RespawnComm
-from ulfmtrain.spares import SpareComm
+from ulfmtrain import DistributedOptimizer, distributed_sampler
+from ulfmtrain.membership.respawn import RespawnComm
+from ulfmtrain.membership.spares import SpareComm
+from ulfmtrain.transport import faults
 
 out, mode = sys.argv[1], sys.argv[2]
 # A newcomer runs this program again, without the kills.

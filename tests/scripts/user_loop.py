@@ -14,10 +14,10 @@ import torch
 from sklearn.datasets import load_digits
 
 from ulfmtrain import DistributedOptimizer, FaultTolerantComm
+from ulfmtrain.core.events import EventLog
 from ulfmtrain.data.sampler import distributed_sampler
-from ulfmtrain.events import EventLog
-from ulfmtrain.faults import arm, parse_kills
-from ulfmtrain.models import DigitsCNNBN
+from ulfmtrain.training.models import DigitsCNNBN
+from ulfmtrain.transport.faults import arm, parse_kills
 
 EPOCHS, BATCH = 6, 16
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import time
 from mpi4py import MPI
 
 import ulfmtrain  # noqa: F401  (MPI_Init, bounded)
-from ulfmtrain.stall import Watchdog
+from ulfmtrain.transport.stall import Watchdog
 
 WAIT_S = 8.0
 out, survived = sys.argv[1], sys.argv[2] == "1"

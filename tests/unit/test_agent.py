@@ -4,8 +4,8 @@ import shlex
 
 import pytest
 
-from ulfmtrain.agent import PLAN_ENV, rank_command
-from ulfmtrain.launch import agent_prefix, rank_hosts
+from ulfmtrain.launching.agent import PLAN_ENV, rank_command
+from ulfmtrain.launching.launch import agent_prefix, rank_hosts
 
 
 def test_ranks_fill_hosts_slot_by_slot(tmp_path):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ulfmtrain import audit
+from ulfmtrain.tools import audit
 
 
 def logs_of(lines_by_rank: dict[int, list[dict]], count: int, policy: str = "exactly-once") -> dict[int, list[dict]]:

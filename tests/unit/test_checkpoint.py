@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from ulfmtrain import faults
 from ulfmtrain.checkpoint.checkpointer import Checkpointer, TrainingState, capture
 from ulfmtrain.checkpoint.format import (
     LATEST,
@@ -31,10 +30,11 @@ from ulfmtrain.checkpoint.format import (
 )
 from ulfmtrain.checkpoint.writer import OverlappedWriter, WriteResult
 from ulfmtrain.cli import build_parser
-from ulfmtrain.faults import parse_kill
-from ulfmtrain.job import TrainJob
-from ulfmtrain.models import MLP
-from ulfmtrain.optim import FTSGD
+from ulfmtrain.training.config import TrainJob
+from ulfmtrain.training.models import MLP
+from ulfmtrain.training.optim import FTSGD
+from ulfmtrain.transport import faults
+from ulfmtrain.transport.faults import parse_kill
 
 
 class FakeComm:
@@ -168,7 +168,7 @@ def test_rng_states_are_saved_and_restored(tmp_path: Path) -> None:
 def test_the_trainer_is_a_training_state(tmp_path: Path) -> None:
     """The real Trainer has every member of the protocol, and a checkpoint of it restores into another one."""
     from ulfmtrain.data.sources import arrays_to_dataset
-    from ulfmtrain.trainer import TrainConfig, Trainer
+    from ulfmtrain.training.trainer import TrainConfig, Trainer
 
     class TrainerComm(FakeComm):
         world_rank, alive = 0, [0]

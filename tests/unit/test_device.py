@@ -3,12 +3,12 @@ import numpy as np
 import pytest
 import torch
 
-from ulfmtrain import device as device_mod
+from ulfmtrain.core.modes import UsageError
 from ulfmtrain.data.format import DatasetFile
 from ulfmtrain.data.sources import synthetic_dataset
-from ulfmtrain.device import device_for, local_rank, select_device, slot_local_rank
-from ulfmtrain.models import build_model
-from ulfmtrain.modes import UsageError
+from ulfmtrain.training import device as device_mod
+from ulfmtrain.training.device import device_for, local_rank, select_device, slot_local_rank
+from ulfmtrain.training.models import build_model
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 

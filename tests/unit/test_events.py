@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ulfmtrain.events import Event, EventLog, read_rank_logs, select
+from ulfmtrain.core.events import Event, EventLog, read_rank_logs, select
 
 
 def test_a_line_still_being_written_is_left_for_the_next_read(tmp_path):

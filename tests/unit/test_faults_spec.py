@@ -1,7 +1,7 @@
 """Kill-spec parsing and the fault injector's bookkeeping (no MPI, no kills)."""
 import pytest
 
-from ulfmtrain.faults import (
+from ulfmtrain.transport.faults import (
     FaultInjector,
     InjectedError,
     InjectedFailure,
@@ -71,7 +71,7 @@ def test_schedule_checked_against_world():
 
 def test_injected_error_fires_count_attempts_and_kills_nobody(monkeypatch):
     seen = []
-    monkeypatch.setattr("ulfmtrain.faults.os.kill", lambda pid, sig: seen.append("signal"))
+    monkeypatch.setattr("ulfmtrain.transport.faults.os.kill", lambda pid, sig: seen.append("signal"))
     inj = FaultInjector(parse_kills(["1@3:error=2"], 4), world_rank=1, log=lambda ev, **kw: seen.append(ev))
     inj.at(3, "allreduce")
     for _ in range(2):                  # the first two attempts of step 3
@@ -93,7 +93,7 @@ def test_injector_idle_for_other_ranks():
 def test_injector_dies_at_exactly_its_point(monkeypatch):
     died = []
     inj = FaultInjector(parse_kills(["1@3:update"], 4), world_rank=1, log=lambda ev, **kw: died.append((ev, kw)))
-    monkeypatch.setattr("ulfmtrain.faults.os.kill", lambda pid, sig: died.append(("signal", sig)))
+    monkeypatch.setattr("ulfmtrain.transport.faults.os.kill", lambda pid, sig: died.append(("signal", sig)))
     assert inj.active
     inj.at(3, "forward")
     inj.at(2, "update")
@@ -129,7 +129,7 @@ def test_a_ready_kill_signals_the_respawned_process_once_and_kills_nobody_in_the
     # At `ready`, RANK kills the process it spawned: RANK is neither a rank killed nor killed twice.
     assert len(parse_kills(["0@1:ready", "1@5"], 2)) == 2 and len(parse_kills(["1@1:ready", "1@5"], 4)) == 2
     sent = []
-    monkeypatch.setattr("ulfmtrain.faults.os.kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr("ulfmtrain.transport.faults.os.kill", lambda pid, sig: sent.append((pid, sig)))
     inj = FaultInjector(parse_kills(["0@30:ready"], 4), world_rank=0, log=lambda ev, **kw: sent.append(kw))
     inj.at(29, "ready", pid=4321)          # a process ready before STEP lives
     inj.at(31, "ready", pid=4321)          # the first one at or after STEP is killed, by its pid
@@ -158,7 +158,7 @@ def test_a_newcomer_phase_fails_the_processes_its_rank_spawns_from_its_step_and_
 ])
 def test_each_kind_fails_the_rank_its_way_at_its_point(monkeypatch, spec, expect):
     sent, logged = [], []
-    monkeypatch.setattr("ulfmtrain.faults.os.kill", lambda pid, sig: sent.append(("signal", sig)))
+    monkeypatch.setattr("ulfmtrain.transport.faults.os.kill", lambda pid, sig: sent.append(("signal", sig)))
     inj = FaultInjector(parse_kills([spec], 4), world_rank=1, log=lambda ev, **kw: logged.append(kw))
     inj.at(3, "forward")                     # another point of the same step: nothing
     assert sent == [] and logged == []

@@ -1,6 +1,6 @@
 """The fork server and its shim, without MPI: what a spawned newcomer gets, and how each side ends.
 
-One server (ulfmtrain/forkserver.py, as a rank starts it) serves every test; it watches a `sleep` of the
+One server (ulfmtrain/membership/forkserver.py, as a rank starts it) serves every test; it watches a `sleep` of the
 test's own, as it watches PRRTE's daemon in a job.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain import forkserver
-from ulfmtrain.spawn_shim import sockaddr
+from ulfmtrain.membership import forkserver
+from ulfmtrain.membership.spawn_shim import sockaddr
 
 pytestmark = pytest.mark.timeout(60)
 SHIM = Path(forkserver.__file__).with_name("spawn_shim.py")
@@ -42,7 +42,7 @@ def with_scripts() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(SCRIPTS)}
 
 
-def start_server(address: str, watched: int, module: str = "ulfmtrain.forkserver", **kw) -> subprocess.Popen:
+def start_server(address: str, watched: int, module: str = "ulfmtrain.membership.forkserver", **kw) -> subprocess.Popen:
     """The server as a rank starts it, once it listens (in a job the first spawn comes after a failure)."""
     proc = subprocess.Popen([sys.executable, "-P", "-m", module, address, str(watched)], **kw)
     end = time.monotonic() + 30

@@ -1,4 +1,4 @@
-"""Unit tests for ulfmtrain.framing: the magic + header length + JSON header + CRC32 both file formats share."""
+"""Unit tests for ulfmtrain.core.framing: the magic + header length + JSON header + CRC32 both file formats share."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,9 @@ import pytest
 
 from ulfmtrain.checkpoint.format import MAGIC as CKPT_MAGIC
 from ulfmtrain.checkpoint.format import Snapshot, write_checkpoint
+from ulfmtrain.core.framing import FrameError, frame_end, pack_frame, unpack_frame
 from ulfmtrain.data.format import MAGIC as DATA_MAGIC
 from ulfmtrain.data.writer import write_dataset
-from ulfmtrain.framing import FrameError, frame_end, pack_frame, unpack_frame
 
 HEADER = json.dumps({"format": "test", "count": 3}, separators=(",", ":")).encode()
 

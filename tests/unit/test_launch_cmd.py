@@ -1,7 +1,7 @@
 """The mpirun command line that `launch` builds."""
 import sys
 
-from ulfmtrain.launch import mpirun_command, mpirun_prefix
+from ulfmtrain.launching.launch import mpirun_command, mpirun_prefix
 
 
 def test_fault_tolerance_always_on():

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from ulfmtrain.optim import FTSGD, DistributedOptimizer
+from ulfmtrain.training.optim import FTSGD, DistributedOptimizer
 
 
 class FakeComm:

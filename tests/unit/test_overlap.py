@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from ulfmtrain.optim import FTSGD
-from ulfmtrain.overlap import OverlapError
+from ulfmtrain.training.optim import FTSGD
+from ulfmtrain.training.overlap import OverlapError
 
 
 def make(fake_comm, overlap, bucket_bytes=256, unused=False):

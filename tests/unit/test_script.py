@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from ulfmtrain.launch import program
+from ulfmtrain.launching.launch import program
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = """

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from ulfmtrain.buckets import GradBucket
-from ulfmtrain.comm import AttemptFailed
-from ulfmtrain.optim import FTSGD
-from ulfmtrain.overlap import OverlapError
-from ulfmtrain.streams import OrderError, StandInStreams
+from ulfmtrain.training.buckets import GradBucket
+from ulfmtrain.training.optim import FTSGD
+from ulfmtrain.training.overlap import OverlapError
+from ulfmtrain.training.streams import OrderError, StandInStreams
+from ulfmtrain.transport.comm import AttemptFailed
 
 
 class FailingComm:

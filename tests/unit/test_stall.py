@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from ulfmtrain.job import TrainConfig, TrainJob
-from ulfmtrain.modes import UsageError
-from ulfmtrain.stall import STALL_EXIT_CODE
+from ulfmtrain.core.modes import UsageError
+from ulfmtrain.training.config import TrainConfig, TrainJob
+from ulfmtrain.transport.stall import STALL_EXIT_CODE
 
 PROGRAM = """
 import time
-from ulfmtrain.stall import step_watchdog
+from ulfmtrain.transport.stall import step_watchdog
 w = step_watchdog({timeout}, lambda: "rank 7 (after step 41)")
 for _ in range({pets}):
     time.sleep(0.1)
@@ -49,7 +49,7 @@ def test_a_step_timeout_that_is_not_a_positive_number_is_refused(bad):
 
 USER_LOOP = """
 import sys, time
-from ulfmtrain import stall
+from ulfmtrain.transport import stall
 pet = stall.commit_watch(lambda: "world rank 2 (after step 9)")
 pet()                              # the first committed step starts it
 def in_ulfmtrain():                # the main thread waits in a collective: a frame of the package

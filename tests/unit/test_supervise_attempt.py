@@ -5,7 +5,7 @@ import time
 import pytest
 
 from ulfmtrain.cli import _train_job
-from ulfmtrain.supervise import SuperviseError, run_attempt, supervise
+from ulfmtrain.launching.supervise import SuperviseError, run_attempt, supervise
 
 # Writes rank0.jsonl with a start record after `delay` seconds, then sleeps `after` seconds.
 STARTS = ("import json, sys, time; d = sys.argv[1]; time.sleep(float(sys.argv[2])); "

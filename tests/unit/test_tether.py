@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain import agent as agent_mod
-from ulfmtrain.agent import PLAN_ENV, agent_alive, lock_path
-from ulfmtrain.launch import ssh_keepalive
+from ulfmtrain.launching import agent as agent_mod
+from ulfmtrain.launching.agent import PLAN_ENV, agent_alive, lock_path
+from ulfmtrain.launching.launch import ssh_keepalive
 
 pytestmark = pytest.mark.timeout(60)
 AGENT = Path(agent_mod.__file__)
-TETHER = AGENT.with_name("tether.py")
+TETHER = AGENT.parent.parent / "transport" / "tether.py"
 KEEPALIVE = 1.0
 
 
@@ -173,7 +173,7 @@ def test_agent_and_tether_import_the_standard_library_only(path):
 def test_the_remote_command_runs_the_rank_under_its_tether():
     import shlex
 
-    from ulfmtrain.agent import rank_command
+    from ulfmtrain.launching.agent import rank_command
 
     plan = {"rsh": ["ssh"], "hosts": ["a", "b"], "keepalive": 4.0, "tether": ["py", "-P", "/x/tether.py"]}
     remote = shlex.split(rank_command(plan, 1, ["py", "-m", "ulfmtrain", "train"], {}, head="10.0.0.1:5000")[2])

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .. import faults
-from ..modes import CheckpointStrategy, Phase, parse
+from ..core.modes import CheckpointStrategy, Phase, parse
+from ..transport import faults
 from .format import (
     CheckpointError,
     Snapshot,

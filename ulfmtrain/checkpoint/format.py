@@ -12,7 +12,7 @@ The file format
     then            the sections named in the header, back to back
 
 The first four rows are the framing shared with dataset files
-(:mod:`ulfmtrain.framing`).
+(:mod:`ulfmtrain.core.framing`).
 
 The header records the step, epoch, sampler position, world size, steps per
 epoch, the model's tensor names/shapes/dtypes, and each section's length; its
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_file
-from ..framing import FrameError, pack_frame, unpack_frame
+from ..core.atomic import atomic_file
+from ..core.framing import FrameError, pack_frame, unpack_frame
 
 __all__ = [
     "MAGIC", "FORMAT", "FORMAT_VERSION", "LATEST", "Warn", "CheckpointError", "Snapshot", "Checkpoint",

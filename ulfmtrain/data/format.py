@@ -18,7 +18,7 @@ and each rank can load exactly the records it is responsible for::
 :data:`RECORD_ALIGN` (4096) at or after the end of the checksum table.  The file
 ends exactly at ``data_offset + N * record_size``; anything shorter is truncated.
 The first four rows are the framing shared with checkpoint files
-(:mod:`ulfmtrain.framing`).
+(:mod:`ulfmtrain.core.framing`).
 
 The JSON header is an object with the keys:
 
@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from ..framing import FrameError, frame_end, unpack_frame
+from ..core.framing import FrameError, frame_end, unpack_frame
 from .plan import checked_ranges, ranges_len
 
 __all__ = [

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..modes import DataPolicy
+from ..core.modes import DataPolicy
 from .plan import holdings_of, plan_recovery
 from .sampler import EpochSampler
 
 if TYPE_CHECKING:
-    from ..comm import Comm
-    from ..optim import DistributedOptimizer
+    from ..training.optim import DistributedOptimizer
+    from ..transport.comm import Comm
 
 EMPTY = np.empty(0, dtype=np.int64)
 

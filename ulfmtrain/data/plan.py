@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..modes import Reload, parse
+from ..core.modes import Reload, parse
 
 __all__ = [
     "Ranges",

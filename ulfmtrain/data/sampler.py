@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..modes import DataPolicy, parse
+from ..core.modes import DataPolicy, parse
 from .plan import Ranges, holdings_of, merge_ranges, plan_recovery
 
 if TYPE_CHECKING:
-    from ..comm import Comm
-    from ..optim import DistributedOptimizer
+    from ..training.optim import DistributedOptimizer
+    from ..transport.comm import Comm
 
 
 def ids_of(ranges: Iterable[tuple[int, int]]) -> np.ndarray:

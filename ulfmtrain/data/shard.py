@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..modes import Reload
+from ..core.modes import Reload
 from .format import BLOCK_BYTES, DatasetFile
 from .plan import Ranges, RecoveryPlan, checked_ranges, merge_ranges, ranges_len
 

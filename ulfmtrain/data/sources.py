@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..extras import require
+from ..core.extras import require
 from .format import split_path
 from .writer import write_dataset, write_dataset_chunks
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_file
-from ..framing import pack_frame
+from ..core.atomic import atomic_file
+from ..core.framing import pack_frame
 from .format import (
     BLOCK_BYTES,
     FORMAT_VERSION,

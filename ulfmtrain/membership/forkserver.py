@@ -1,0 +1,267 @@
+"""A fork server on each host: a respawned process starts as a fork of one that has imported torch already.
+
+A newcomer started from scratch spends about 2.3 s of CPU here on Python's start-up, `import torch` and
+torch._dynamo before it can join, on the cores the training ranks use: the largest part of what a failure
+costs a respawn soak.  With respawn on, the first rank of each host (local rank 0 of the launched job)
+starts this server, which imports what a newcomer needs once and waits.  MPI_Comm_spawn then starts
+`spawn_shim.py` (a few ms), which hands the server its command, environment (the spawned process's PMIx
+identity), working directory and standard streams; the server forks, and the child runs the command's
+module or script as Python would, calling MPI_Init as the spawned process.  The shim ends as the child ends.
+Without a server on the host (another host, or ULFMTRAIN_FORKSERVER=0) the shim execs the command.
+
+The server lives until the parent of the rank that started it (PRRTE's daemon) ends; its children die with
+it.  It serves only its own user (SO_PEERCRED), and only `python [-P] (-m MODULE | SCRIPT)` of its own interpreter.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from .spawn_shim import ADDRESS_ENV, MAX_MESSAGE, sockaddr
+
+ENABLE_ENV = "ULFMTRAIN_FORKSERVER"        # 0: newcomers start from scratch
+FORKED_ENV = "ULFMTRAIN_FORKED"            # set in a newcomer that the server forked
+# With respawn.PRELOAD: what a newcomer imports before it is ready.
+_IMPORTS = ("ulfmtrain.cli", "ulfmtrain.core.modes")
+_LAUNCH_ENV = ("OMPI_", "PMIX_", "PRTE_")  # the starting rank's MPI identity: not the server's
+_PR_SET_PDEATHSIG = 1
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+def address() -> str:
+    """This job's server address on this host: an abstract socket (one per network namespace, no file)."""
+    return os.environ.get(ADDRESS_ENV) or f"@ulfmtrain-forkserver-{os.environ.get('PMIX_NAMESPACE', '')}"
+
+
+def wrap(command: list[str]) -> list[str]:
+    """The spawn command that starts `command` as a fork of the server, or `command` itself when disabled."""
+    if not enabled():
+        return command
+    return [sys.executable, "-I", "-S", str(Path(__file__).with_name("spawn_shim.py")), address(), *command]
+
+
+_server: subprocess.Popen[bytes] | None = None    # the server this rank started
+
+
+def start() -> subprocess.Popen[bytes] | None:
+    """Start this host's server, once per host (local rank 0 of the launched job), if enabled."""
+    from ..training.device import local_rank
+
+    global _server
+    if not enabled() or local_rank() != 0 or ADDRESS_ENV in os.environ:
+        return None
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_ENV)}
+    # Its own session (a kill of this rank must not end it); no standard streams of this rank: PRRTE counts a
+    # process as ended only once its output pipes close.
+    _server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", address(),
+                                str(os.getppid())], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    return _server
+
+
+def drain() -> None:
+    """The job is done: the server this rank started, or the one that forked it, ends once its forked processes
+    have (it would otherwise wait for PRRTE's daemon to end, seconds after mpirun)."""
+    pids = ([_server.pid] if _server is not None else []) + ([os.getppid()] if os.environ.get(FORKED_ENV) else [])
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+
+
+def _program(command: list[str]) -> tuple[str, str, list[str], bool]:
+    """("module" or "script", its name, its arguments, -P) of `python [-P] (-m MODULE | SCRIPT) ARGS` run by
+    this interpreter; ValueError for any other command."""
+    safe = command[1:2] == ["-P"]
+    rest = command[1 + safe:]
+    module = rest[:1] == ["-m"] and len(rest) >= 2
+    if command[:1] != [sys.executable] or not (module or rest and not rest[0].startswith("-")):
+        raise ValueError(f"the fork server runs only `{sys.executable} [-P] (-m MODULE | SCRIPT) ...`, "
+                         f"not {command[:4]}")
+    if module:
+        return "module", rest[1], rest[2:], safe
+    return "script", rest[0], rest[1:], safe
+
+
+def _become(request: dict, fds: list[int], server: int) -> None:
+    """In the forked child: take the shim's streams, environment (with the server's address, for its own
+    spawns) and directory, and run its module."""
+    code: object = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != server:
+            os._exit(1)               # the server died before prctl: nobody would end this child
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"], **{FORKED_ENV: "1"})
+        os.chdir(request["cwd"])
+        kind, name, args, safe = _program(request["command"])
+        sys.argv = [name, *args]
+        if not safe:                  # what Python puts first on the path without -P
+            sys.path.insert(0, os.getcwd() if kind == "module" else os.path.dirname(os.path.abspath(name)))
+        from ..transport import lifecycle
+        if lifecycle.under_mpirun():
+            lifecycle.init()          # what importing ulfmtrain does in a rank (it is imported here already)
+            lifecycle.arm_at_exit()
+        if kind == "module":
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(name, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        traceback.print_exc()
+        from ..transport import exits
+        if exits.fault_tolerant():
+            exits.leave(failed=True)    # dies by SIGKILL unless every member is leaving
+    finally:
+        try:
+            atexit._run_exitfuncs()   # the bounded MPI_Finalize among them
+        finally:
+            if not isinstance(code, int | None):   # SystemExit("why"), as Python ends on it
+                print(code, file=sys.stderr)
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 0)
+
+
+def serve(address: str, watch: int) -> None:
+    """Fork a newcomer for each shim that connects, until process `watch` ends."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(sockaddr(address))       # first: a shim that comes during the imports waits for them
+    listener.listen(64)
+    try:
+        ended = os.pidfd_open(watch)
+    except ProcessLookupError:
+        return
+    import mpi4py
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False   # MPI_Init is each child's, as the spawned process
+    error = _preload()           # served to every shim, which says it and starts from scratch
+    gc.freeze()                  # the imported objects stay out of collections: fewer pages copied per child
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    draining = []       # SIGUSR1 (drain()): end once no forked process is left
+    signal.signal(signal.SIGUSR1, lambda *_: draining.append(1))
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(wake_r, selectors.EVENT_READ, "reap")
+    sel.register(ended, selectors.EVENT_READ, "end")
+    shims: dict[int, socket.socket] = {}   # child pid -> its shim's connection
+
+    def done(pid: int, status: int | None) -> None:
+        conn = shims.pop(pid, None)
+        if conn is not None:
+            sel.unregister(conn)
+            with conn, contextlib.suppress(OSError):
+                if status is not None:
+                    conn.send(json.dumps({"status": status}).encode())
+
+    while not (draining and not shims):
+        for key, _ in sel.select():
+            if key.data == "end":
+                return               # the children get SIGKILL with our exit
+            if key.data == "reap":
+                os.read(wake_r, 4096)
+                while (reaped := _reap()) is not None:
+                    done(*reaped)
+            elif key.data == "accept":
+                conn, _ = listener.accept()
+                own = [listener.fileno(), wake_r, wake_w, ended, sel.fileno(), *(c.fileno() for c in shims.values())]
+                pid = _fork_for(conn, error, own)
+                if pid:
+                    shims[pid] = conn
+                    sel.register(conn, selectors.EVENT_READ, pid)
+                else:
+                    conn.close()
+            elif key.data in shims:  # the shim died (or spoke out of turn): its child goes too
+                # (Not when this batch reaped the child already: its pid is free, and a kill would end the
+                # server, or whatever process takes the pid next.)
+                os.kill(key.data, signal.SIGKILL)
+                done(key.data, None)
+
+
+def _preload() -> str:
+    """Import what a newcomer needs; the error if an import failed."""
+    name = "ulfmtrain.membership.respawn"
+    try:
+        from . import respawn
+        for name in (*_IMPORTS, *respawn.PRELOAD):
+            importlib.import_module(name)
+    except Exception as exc:
+        return f"the fork server could not import {name} ({exc})"
+    return ""
+
+
+def _reap() -> tuple[int, int] | None:
+    try:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return (pid, status) if pid else None
+
+
+def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
+    """Fork a child for the shim on `conn` and tell it the pid; 0 when it was refused."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        return 0
+    fds: list[int] = []
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
+        request = json.loads(data)
+        if not error:
+            _program(request["command"])
+    except (OSError, ValueError, KeyError) as exc:
+        error = error or str(exc)
+    if error or len(fds) != 3:
+        # Closed at once: PRRTE counts the shim's process as ended only when its output pipes close.
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            conn.send(json.dumps({"error": error or "the shim sent no standard streams"}).encode())
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    server = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in server_fds:    # closed, not unregistered: the epoll instance is the server's too
+            os.close(fd)
+        conn.close()
+        _become(request, fds, server)
+    for fd in fds:
+        os.close(fd)
+    try:
+        conn.send(json.dumps({"pid": pid}).encode())
+    except OSError:
+        os.kill(pid, signal.SIGKILL)   # its shim is gone: reaped with the others
+        return 0
+    return pid
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,381 @@
+"""Respawn (`--replace respawn`): processes spawned in the background refill the empty slots and the spares.
+
+Once no spare is left, a failure leaves its slot empty and the survivors train
+on, shrunk.  At the next step boundaries the lowest survivor alone spawns, on
+its main thread, one process (0.1 s each on one host under `launch`, while its
+peers wait in the next reduction) per empty slot plus one per missing spare,
+each as its own MPI job over MPI_COMM_SELF (PRRTE ends a whole spawned job when
+one of its processes dies), and everyone keeps training while the newcomers
+start, as forks of the host's fork server (forkserver.py), which imported torch
+at the job's start.  A newcomer, its imports done, says it is ready and waits
+(test-and-sleep) merged with the spawning rank, which merges between two steps.  Every commit
+agree carries three more bits (comm.py `_commit_bits`): "I own a batch", "a
+newcomer is ready", "it succeeded"; only the owner sends zeros, so every rank
+learns the same state at the same step.  At each step boundary where a newcomer
+is ready and the world has an empty slot or lacks a spare, every rank joins it
+alike: an intercommunicator from the survivors' world to it (the owner leads),
+merged and dup'ed fault-tolerantly; it takes the lowest empty slot or waits as
+a spare; the training communicator is split again in slot order; the data
+partition rebalances (join listeners); and after the step's update the
+survivors hand it the committed state, as they do for spares.  No checkpoint,
+no rollback.  Only the owner's death loses a batch (its newcomers leave, and
+the next lowest survivor spawns again); a spawn or a join that fails leaves the
+world at its size, is reported to the listeners, and is tried again LEAVE_S
+later, up to SPAWN_RETRIES times in a row, then after the next failure.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import _ftcoll
+from ..core.modes import Phase
+from ..transport import faults, lifecycle
+from ..transport.comm import _fault_tolerant_dup, agree_all_ok, require_fault_tolerance, retire
+from ..transport.stall import Watchdog, die_told
+from . import forkserver
+from .reinit import _watchdog
+from .respawn_batch import JOIN, TAG, Batch, wait
+from .spares import SpareComm
+
+if TYPE_CHECKING:
+    from ..training.trainer import Trainer
+
+NO_BATCH, READY, OK = 1, 2, 4   # commit-agree bits: nobody owns a batch; a newcomer is ready; no failure
+# After a failed join, no spawn for this long: the newcomer it sent away, connected to every survivor, leaves
+# within it (its finalize is bounded at 5 s).  A spawn that overlapped its exit deadlocked the spawning rank in
+# Open MPI 5.0.11 (MPI_Comm_spawn, in the TCP transport's failure path): 2 of 6 runs, and once in CI; 0 of 9 now.
+LEAVE_S = 6.0
+# A failed batch or join is spawned again (LEAVE_S later) this many times in a row; then the world stays shrunk
+# until the next repair (a spawn that cannot succeed costs every rank 0.1 s per try).
+SPAWN_RETRIES = 2
+PRELOAD = ("torch._dynamo", "ulfmtrain.training.trainer")   # imported before a newcomer says it is ready
+JoinListener = Callable[[dict[str, Any]], None]
+
+
+class RespawnComm(SpareComm):
+    """A SpareComm whose empty slots and used spares are refilled by processes spawned in the background.
+
+    Args:
+        spares: K waiting spares (0: none); the last K ranks of MPI_COMM_WORLD.
+        command: the program and arguments of a newcomer (this job, without kills: a newcomer takes a slot
+            whose kill has fired); started as a fork of the host's fork server where it can be
+            (`python [-P] (-m MODULE | SCRIPT)` of this interpreter; forkserver.py).
+        fail_before_ready: a newcomer raises an error before it says it is ready (the `newcomer` kill phase).
+    """
+
+    def __init__(self, spares: int, command: list[str], fail_before_ready: bool = False) -> None:
+        self.command, self.spares_target = forkserver.wrap(command), spares
+        self._spawn: Batch | None = None
+        self._spawn_wanted = False         # after a failure: refill
+        self._spawn_after = 0.0            # no spawn before this time.time() (LEAVE_S)
+        self._retries = 0                  # failed batches or joins since the last repair or join
+        self._batch_seen = False           # a batch existed at the last boundary
+        self._repaired = False             # a repair happened in the transaction in flight
+        self._join_listeners: list[JoinListener] = []
+        # Called at the boundary before a join (the trainer: a durable checkpoint after that step's update), so a
+        # job that a death inside the merge ends resumes at most a step back; the join waits one boundary for it.
+        self.before_join: Callable[[], None] | None = None
+        self._saved_for_join = False
+        self.joined: dict[str, Any] | None = None    # a newcomer: what it logs about its join
+        parent = MPI.Comm.Get_parent()
+        if parent == MPI.COMM_NULL:
+            forkserver.start()
+            super().__init__(spares)
+        else:
+            try:
+                self._join_as_newcomer(parent, fail_before_ready)
+            except Exception:
+                # Gone at once, by a signal: Open MPI tells a peer connected to it of that (not of an exit),
+                # and MPI_Finalize could wait for peers that will never come.  A spawning rank that never
+                # heard from it gives up after the spawn bound (respawn_batch.Batch.poll).
+                traceback.print_exc()
+                die_told("ulfmtrain: error: a respawned process failed before it joined (above); it ends, and "
+                         "the survivors spawn again")
+
+    def add_join_listener(self, fn: JoinListener) -> None:
+        """Call fn(record) when a spawn starts, joins (after the new communicator, before the handover) or fails."""
+        self._join_listeners.append(fn)
+
+    def _notify(self, status: str, slots: list[int], **fields: Any) -> None:
+        rec = {"status": status, "slots": slots, "step": self.step, "world": self.size, **fields}
+        for fn in self._join_listeners:
+            fn(rec)
+
+    def _empty(self) -> list[int]:
+        return sorted(set(range(self.slots)) - set(self.alive))
+
+    # -- the survivors ----------------------------------------------------------
+    def _commit_bits(self) -> int:
+        # ANDed over the training ranks: only the owner of a batch (the rank that spawned it) sends zeros,
+        # so every rank learns its state, also a spare that took a slot after the batch was started.
+        s = self._spawn
+        if s is None:
+            return NO_BATCH | READY | OK
+        if s.ready():
+            return READY | OK
+        return READY if s.finished() else OK      # finished with nothing ready: it failed
+
+    def transaction(self, attempt: Any, commit: Any = None, *, what: str = "step",
+                    before_agree: Any = None) -> Any:
+        self._repaired = False
+        result = super().transaction(attempt, commit, what=what, before_agree=before_agree)
+        # After a repair, or a commit agree that met a process failure (the repair is due in the next
+        # transaction), the agreed bits may include a rank that is now dead, and a 100-failure soak saw them
+        # differ between ranks after such an agree: decide at the next boundary.
+        if what == "step" and self.slot is not None and not self._repaired:
+            if not self.agreed_bits & NO_BATCH or self._batch_seen:    # uniform: a join may follow
+                # The commit agree's return code is not uniform: whether any rank met a failure in it is
+                # agreed here, so that every rank joins or none does (and all repair at the next one).
+                if not agree_all_ok(self.comm, not self._failure_seen):
+                    self._failure_seen = True
+                    return result
+            elif self._failure_seen:
+                return result               # nothing shared follows: only the lowest rank may spawn
+            self._boundary()
+        return result
+
+    def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
+        try:
+            super()._repair(what, committed, t_start, t_error, agree_ms)
+        finally:            # also when a repair at start-up starts it over (StartOver): refill after it
+            self._repaired = self._spawn_wanted = True
+            self._saved_for_join = False
+            self._retries = 0
+
+    def _boundary(self) -> None:
+        """After a committed step: join a ready batch, or start one (every decision here is uniform)."""
+        if self._spawn is not None:
+            self._spawn.poll(self.step)  # the owner alone: what the next commit agree says of its batch
+        bits = self.agreed_bits
+        # A spare that took a slot in this step is not at this boundary: it waits for the state.
+        if self.pending_handover:
+            return
+        if not bits & NO_BATCH:
+            self._batch_seen = True
+            if not bits & READY:
+                return                                   # not ready: train on
+            s = self._spawn
+            if not bits & OK:
+                self._batch_seen, self._spawn = False, None
+                # Only the owner holds the batch, and knows why it failed.
+                reason = ("the spawn failed: the spawning rank's log says why" if s is None
+                          else "; ".join(s.errors) or "MPI_Comm_spawn failed")
+                self._notify("failed", s.slots if s else [], reason=reason, **(s.times() if s else {}))
+                self._retry_later()
+            elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
+                # (A waiting spare would not take part: a newcomer joins once none is left.)  One newcomer
+                # per boundary; the next one, if any, at the next.
+                if self.before_join is not None and not self._saved_for_join:
+                    self._saved_for_join = True
+                    self.before_join()
+                    return
+                self._batch_seen = self._saved_for_join = False
+                self._join(s)
+                if s is not None and s.done():
+                    self._spawn = None
+            return
+        if self._batch_seen:                             # gone without a join: its owner died
+            self._batch_seen = False
+            self._notify("failed", [], reason="the spawning rank failed")
+        empty = self._empty()
+        count = len(empty) + self.spares_target - self.spares_left
+        # World rank 0, the lowest survivor, spawns alone: it leads the join (waiting spares rank last).
+        if self._spawn_wanted and count > 0 and self.world.Get_rank() == 0 and time.time() >= self._spawn_after:
+            self._spawn_wanted = False
+            self._spawn = Batch(self.command + faults.newcomer_args(self.step), count, empty)
+            self._notify("spawning", empty, count=count, t_spawn=self._spawn.t_start)
+
+    def _retry_later(self) -> None:
+        """After a failed batch or join (uniform): spawn again, not before LEAVE_S (the newcomers it sent away
+        leave within it), and at most SPAWN_RETRIES times in a row."""
+        self._spawn_after = time.time() + LEAVE_S
+        if self._retries < SPAWN_RETRIES:
+            self._retries += 1
+            self._spawn_wanted = True
+
+    def _join(self, s: Batch | None) -> None:
+        """Every training rank (s: the batch on its owner, None elsewhere): one ready newcomer joins the world."""
+        t0 = time.perf_counter()
+        ok, inter, world, info, held, pool = 1, None, None, {}, [], None
+        times: dict[str, float] = {}
+        try:
+            # The leader's peer is its pool (the newcomer is rank 1 of it); elsewhere it is not read.
+            peer = self.world
+            if s is not None:
+                pool, times = s.pop()
+                peer = pool
+                pool.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the newcomer waits in Ibcast
+            inter = self.world.Create_intercomm(0, peer, 1, TAG)    # returns an error when a member dies
+        except MPI.Exception:
+            ok = 0
+        faults.point(self.step, Phase.JOIN)
+        # Open MPI 5.0.x's MPI_Intercomm_merge never returns when a member is dead (its context-id allocation
+        # loops), and revoking does not free it: merge only when every survivor holds the intercommunicator and
+        # is alive (uniform), and bound the merge itself, which leaves a window of about 16 ms.
+        go = agree_all_ok(self.world, bool(ok))
+        if go and inter is not None:
+            faults.point(self.step, Phase.MERGE)
+            timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint "
+                              "(--ckpt-dir, under `ulfmtrain supervise`)", why="a process died inside "
+                              "MPI_Intercomm_merge, and Open MPI 5.0.x does not return from that")
+            try:
+                merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
+                retire(inter)
+                inter = None
+                world = _fault_tolerant_dup(merged)
+                retire(merged)
+            except MPI.Exception:
+                ok = 0
+            timer.close()
+            # Uniform among the survivors again before the new world is used.
+            go = agree_all_ok(self.world, bool(ok))
+        if go and world is not None:
+            try:
+                info = world.bcast({"slots": self.slots, "history": self.world_history, "placement": self.placement,
+                                    **times} if s
+                                   else None, root=0)
+                held = world.allgather(self.slot)
+            except MPI.Exception:
+                ok = 0
+            go = agree_all_ok(world, bool(ok))      # the newcomer takes part: it leaves unless all went through
+        if not go or world is None:
+            for c in (world, inter, pool):
+                if c is not None:
+                    _ftcoll.revoke(c)     # a newcomer waiting on them leaves
+            self._notify("failed", [], reason="a process failed during the join")
+            self._retry_later()
+            return
+        size_before = self.size
+        times = {k: info[k] for k in ("t_spawn", "spawn_s", "ready_s")}
+        plan = self._take_world(world, held)
+        self.world_history.append(self.size)
+        self._spawn_wanted, self._retries = True, 0          # a spare may still be missing
+        self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,
+                     size_after=self.size, join_ms=(time.perf_counter() - t0) * 1e3, **times)
+        if plan["taken"] and self.handover is not None:
+            self.pending_handover = True    # after this step's update (DistributedOptimizer.step)
+
+    def _take_world(self, world: MPI.Intracomm, held: list[int | None]) -> dict[str, Any]:
+        """Everyone, survivors and newcomers: the lowest newcomers take the empty slots; split in slot order."""
+        survivors = [s for s in held if s is not None]
+        newcomers = [r for r, s in enumerate(held) if s is None]
+        taken = dict(zip(sorted(set(range(self.slots)) - set(survivors)), newcomers))
+        if self.slot is None and world.Get_rank() in taken.values():
+            self.slot = next(s for s, r in taken.items() if r == world.Get_rank())
+        old, self.world = getattr(self, "world", None), world
+        if old is not None:
+            retire(old)
+        if getattr(self, "comm", MPI.COMM_NULL) != MPI.COMM_NULL:
+            retire(self.comm)
+        self.comm = self._split(self.slot)
+        if self.comm != MPI.COMM_NULL:
+            _ftcoll.agree(self.comm, 1)     # before first use: no peer is still creating it
+        self.world_rank = self.slot if self.slot is not None else -1
+        self.alive = sorted(survivors + list(taken))
+        self.receivers |= set(taken)
+        self.spares_left = len(newcomers) - len(taken)
+        return {"taken": taken, "spares": self.spares_left}
+
+    def close(self) -> None:
+        """Training ranks, at the end: send a batch in flight or waiting away, then release the spares."""
+        s, self._spawn = self._spawn, None
+        if s is not None and self.slot is not None:
+            # Bounded: a spawn that never completes is left to the newcomers' own watchdog.
+            s.dismiss(self.step)
+            self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
+        self.release_spares()
+
+    # -- a newcomer -------------------------------------------------------------
+    def _join_as_newcomer(self, parent: MPI.Intercomm, fail_before_ready: bool = False) -> None:
+        """Get ready, merge with the spawning rank, wait (test-and-sleep) for the join, and take part in it."""
+        require_fault_tolerance()
+        lifecycle.arm_at_exit()
+        t_start = time.time()
+        timer = _watchdog("joining the survivors", "the survivors train on without this process", survived=True)
+        for module in PRELOAD:     # torch's first optimizer imports torch._dynamo (2 s here)
+            importlib.import_module(module)
+        if fail_before_ready:
+            raise RuntimeError("the kill schedule's `newcomer` phase: this respawned process fails before it is ready")
+        self.slot, self.handover, self.pending_handover, self.takeover = None, None, False, None
+        code = np.zeros(2, dtype=np.int64)
+        try:
+            parent.Set_errhandler(MPI.ERRORS_RETURN)
+            t_ready = time.time()
+            wait(parent.Isend(np.array([os.getpid()], dtype=np.int64), dest=0, tag=TAG))
+            pool = MPI.Intracomm(parent.Merge(high=True))
+            pool.Set_errhandler(MPI.ERRORS_RETURN)
+            timer.close()         # ready: waiting in the pool for a failure may take any time
+            wait(pool.Ibcast(code, root=0))
+            if code[0] != JOIN:
+                raise self._leave(None, "")
+            timer = _watchdog("joining the survivors", "the survivors train on without this process",
+                              why="a process died inside the join, and Open MPI 5.0.x does not return from that",
+                              survived=True)
+            MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
+            inter = MPI.COMM_WORLD.Create_intercomm(0, pool, 0, TAG)
+            merged = MPI.Intracomm(inter.Merge(high=True))
+            world = _fault_tolerant_dup(merged)
+            retire(merged)
+            try:
+                info = world.bcast(None, root=0)
+                held = world.allgather(None)
+                ok = True
+            except MPI.Exception:
+                ok = False
+            if not agree_all_ok(world, ok):      # as the survivors decide it
+                raise self._leave(timer, "a process failed during the join")
+        except MPI.Exception as exc:
+            raise self._leave(timer, f"the survivors went away ({exc.Get_error_string()})") from None
+        self.slots, self.placement = info["slots"], info["placement"]    # the slots' GPUs (device.py)
+        self._setup(MPI.Intracomm(MPI.COMM_NULL), -1, [])
+        self._take_world(world, held)
+        timer.close()
+        self.world_history = info["history"] + [self.size]
+        if self.slot is not None:
+            self.takeover = {"slot": self.slot, "startup": False, "root": 0}
+        self.joined = {"status": "newcomer", "slots": [] if self.slot is None else [self.slot],
+                       "t_start": t_start, "ready_s": t_ready - t_start, "t_joined": time.time(),
+                       "world": self.size, "forked": os.environ.get(forkserver.FORKED_ENV) == "1"}
+
+    @staticmethod
+    def _leave(timer: Watchdog | None, why: str) -> SystemExit:
+        """A newcomer that is not needed exits (0) through the bounded finalize."""
+        if timer is not None:
+            timer.close()
+        if why:
+            print(f"ulfmtrain: warning: a respawned process leaves: {why}; the survivors train on",
+                  file=sys.stderr, flush=True)
+        return SystemExit(lifecycle.finalize(5.0, 0))
+
+
+def attach(trainer: Trainer) -> None:
+    """Rebalance `trainer`'s data at every join and log every respawn record in its event log."""
+    from ..core.events import Event
+    from ..data.plan import holdings_of
+
+    comm = trainer.comm
+    assert isinstance(comm, RespawnComm)
+
+    def on_record(rec: dict[str, Any]) -> None:
+        if rec["status"] == "joined" and rec["slots"]:
+            # The partition of this world, as a fresh trainer (a newcomer's) computes it.
+            here = holdings_of(trainer.train.count, comm.alive)
+            trainer.sampler.rebalance(here)
+            got, secs = trainer.shard.retarget(here[comm.world_rank])
+            rec.update(rebalance_ms=secs * 1e3, bytes_read=got)
+        trainer.log(Event.RESPAWN, **rec)
+
+    comm.add_join_listener(on_record)
+    if trainer.checkpointer is not None:
+        comm.before_join = trainer.checkpointer.request
+    if comm.joined:
+        trainer.log(Event.RESPAWN, **comm.joined)

@@ -1,0 +1,214 @@
+"""How a rank leaves the job: a failure of any kind is a process failure its peers see; a job that is done ends
+with its own status, without an MPI_Finalize that can hang.
+
+Open MPI 5.0.x tells ULFM survivors of a process killed by a signal, not of one that exits (and MPI_Finalize
+after a failure can wait for good: docs/failures.md).  So, in a rank under `mpirun --with-ft ulfm`:
+
+* An uncaught exception (KeyboardInterrupt from SIGINT included; SIGTERM is turned into `Terminated`): the
+  traceback is printed once, the rank revokes its training communicator (a peer waiting for it in a
+  collective goes to its commit agree) and takes part in that agree with LEAVING | FAILED and every lower bit
+  set (the AND's identity: it decides nothing for the others).  If every member raised (a deterministic bug),
+  they all end with status 1; if the others are leaving too, it ends with status 1; else a peer trains on,
+  and it dies by SIGKILL so that ULFM reports it and the survivors repair.
+* The program's end (its last line, or sys.exit(n)): the same agree with LEAVING, after a grace of
+  DONE_GRACE_S without the revoke (peers that are done come to it by themselves).  If every member is
+  leaving, the process ends with its own status, without MPI_Finalize (mpirun then reports the ranks' own
+  statuses: 0 after a failure survived).  If a peer trains on (this rank left early), it dies by SIGKILL.
+
+The exit agree meets a peer's next agree on that communicator, whatever it is: a commit agree (LEAVING is
+never set there: comm.py's subclass bits stay below it), or the first of FaultTolerantComm.agree's two, whose
+value is the caller's.  So a value with LEAVING set is confirmed by a second agree, which meets that peer's
+second (0 or 1) if it was one.  Decisions come only from these agreed values.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from typing import Any, NoReturn
+
+LEAVING = 1 << 29          # this member is leaving the job
+FAILED = 1 << 30           # ... because it failed
+NEUTRAL = LEAVING - 1      # every bit below LEAVING: the AND's identity
+DONE_GRACE_S = 1.0         # a rank at its end waits this long for done peers before revoking
+FAILED_BOUND_S = 30.0      # a failed rank waits this long for its peers' agree, then dies by SIGKILL
+WORLD_BOUND_S = 5.0        # before any FaultTolerantComm: the agree on MPI_COMM_WORLD
+_POLL_S = 0.0005
+
+_wrappers: list[weakref.ref] = []
+_left = False              # the exit protocol ran (an exception's): the end of the program must not run it again
+_previous_hook = sys.excepthook
+_installed = False
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: leave as a failure (BaseException: no `except Exception` on the way swallows it)."""
+
+
+def register(wrapper: Any) -> None:
+    """A communicator wrapper whose `.comm` is this rank's training communicator (the latest one counts)."""
+    _wrappers.append(weakref.ref(wrapper))
+
+
+def fault_tolerant() -> bool:
+    """mpirun enabled ULFM and MPI is initialized (and not finalized) in this process."""
+    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes"):
+        return False
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from mpi4py import MPI
+    return bool(MPI.Is_initialized() and not MPI.Is_finalized())
+
+
+def install() -> None:
+    """The exception hook and the SIGTERM handler (idempotent; main thread only)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    sys.excepthook = _excepthook
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated("SIGTERM")
+
+
+def _wrapper() -> Any:
+    for ref in reversed(_wrappers):
+        w = ref()
+        if w is not None:
+            return w
+    return None
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    if issubclass(exc_type, Terminated):
+        print(f"ulfmtrain: error: world rank {os.environ.get('OMPI_COMM_WORLD_RANK', '?')} got SIGTERM",
+              file=sys.stderr, flush=True)
+    else:
+        _previous_hook(exc_type, exc, tb)      # the traceback, once
+    if fault_tolerant():
+        leave(failed=True)
+
+
+def at_exit() -> None:
+    """The program ended (its last line or sys.exit): leave together with the peers, or by SIGKILL if they train
+    on.  Returns (without MPI_Finalize) when every member is leaving."""
+    if not _left:
+        leave(failed=False)
+
+
+def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
+    """A program's explicit finalize (FaultTolerantComm.finalize): under ULFM, leave with the peers now, as at
+    the end (MPI stays initialized); else lifecycle.finalize, bounded.  Returns exit_code."""
+    from . import lifecycle
+    if fault_tolerant():
+        at_exit()
+        if not lifecycle.mpi4py_finalizes_at_exit():
+            return exit_code
+    # Without ULFM, or where mpi4py would finalize at exit with no bound (it initialized MPI): bounded here.
+    return lifecycle.finalize(timeout, exit_code)
+
+
+def leave(failed: bool) -> None:
+    """The exit protocol (see the module's docstring); returns only when every member is leaving."""
+    global _left
+    _left = True
+    from mpi4py import MPI
+
+    from ..membership import forkserver
+    from .stall import die_told
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    w = _wrapper()
+    comm = getattr(w, "comm", None) if w is not None else MPI.COMM_WORLD
+    me = MPI.COMM_WORLD.Get_rank()
+    why = "failed (above)" if failed else "ended its program"
+    if comm is None or comm == MPI.COMM_NULL:
+        if failed:      # a waiting spare: its death is repaired in the world
+            die_told(f"ulfmtrain: world rank {me} {why}; it ends by SIGKILL so that the others see it leave")
+        _pmix_finalize()        # a spare released at the end
+        return
+    bound = FAILED_BOUND_S if w is not None else WORLD_BOUND_S
+    value = NEUTRAL | LEAVING | (FAILED if failed else 0)
+    first = _agree(comm, value, 0.0 if failed and w is not None else DONE_GRACE_S, bound)
+    second = _agree(comm, value, 0.0, bound) if first is not None and first & LEAVING else None
+    agreed = (first or 0) & (second or 0)
+    if not agreed & LEAVING:
+        die_told(f"ulfmtrain: world rank {me} {why} while its peers train on; it ends by SIGKILL so that "
+                 "they see it leave and go on without it")
+    if agreed & FAILED and comm.Get_rank() == 0:
+        print(f"ulfmtrain: error: every rank failed (a bug that every rank meets?): the job ends with status 1 "
+              f"instead of shrinking (world rank {me}'s traceback is above)", file=sys.stderr, flush=True)
+    spares: int = getattr(w, "spares_left", 0)
+    if failed and spares:
+        w.release_spares()      # waiting spares leave too
+    forkserver.drain()
+    _pmix_finalize()
+
+
+def _pmix_finalize() -> None:
+    """Tell this host's PRRTE daemon that the process ends cleanly: the last thing MPI_Finalize does, without the
+    job-wide fence before it that waits for good after a failure.  Without it, once a job has spawned
+    processes, mpirun reports a process that exits without MPI_Finalize as an abnormal end (status 1)."""
+    import ctypes
+
+    from . import lifecycle
+    if lifecycle.mpi4py_finalizes_at_exit():
+        return      # MPI_Finalize comes (bounded) and ends PMIx itself: a PMIx ended before it makes it fail
+    try:
+        with open("/proc/self/maps") as maps:     # libmpi's own libpmix (no pmix.h ships with the wheel)
+            path = next((line.split()[-1] for line in maps if "/libpmix.so" in line), None)
+        if path is not None:
+            ctypes.CDLL(path).PMIx_Finalize(None, ctypes.c_size_t(0))
+    except OSError:
+        pass
+
+
+def _agree(comm: Any, value: int, grace: float, bound: float) -> int | None:
+    """MPIX_Comm_iagree of value; revoke comm after `grace` s (at once if 0); None if not done in `bound` s."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from .. import _ftcoll
+
+    if not grace and comm != MPI.COMM_WORLD:
+        _ftcoll.revoke(comm)
+    buf = np.array([value], dtype=np.intc)
+    t0 = time.monotonic()
+    revoked = not grace
+    try:
+        req = comm.Iagree(buf)
+    except MPI.Exception:
+        return None
+    while True:
+        try:
+            if req.Test():
+                return int(buf[0])
+        except MPI.Exception:           # a member died: the value is the AND over the others
+            return int(buf[0])
+        idle = time.monotonic() - t0
+        if not revoked and idle >= grace and comm != MPI.COMM_WORLD:
+            _ftcoll.revoke(comm)        # a peer may be waiting for this rank in a collective
+            revoked = True
+        if idle >= bound:
+            return None
+        time.sleep(_POLL_S)
+
+
+def die_after_failure() -> NoReturn:
+    """For a caller that caught a failure itself and printed it (the fork server's child): leave as a failure,
+    then end with status 1."""
+    if fault_tolerant():
+        leave(failed=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+

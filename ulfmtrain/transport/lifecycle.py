@@ -1,0 +1,169 @@
+"""Start-up and shut-down: one bounded MPI_Init, and one bounded MPI_Finalize for every exit path.
+
+A rank that dies before MPI_Init completes leaves its peers waiting in
+MPI_Init for ever (Open MPI's start-up fence has no timeout), and MPI_Finalize
+after a failure can hang (ompi #11404, #9434): under ULFM a rank leaves without
+it (exits.py); without ULFM it is bounded.  Both calls run under a C
+watchdog (mpi4py's calls hold the GIL, so a Python timer could never fire);
+on a hang it writes one line on stderr and ends the process with a non-zero
+code, so a hang is never waited on for ever nor reported as success.
+
+Under mpirun, `import ulfmtrain` calls `start_at_import()`: mpi4py is told not
+to initialize or finalize MPI itself, MPI_Init runs here, bounded, and the
+exit protocol (exits.py) is armed: the exception hook, SIGTERM, and the end.
+"""
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+INIT_TIMEOUT_ENV = "ULFMTRAIN_INIT_TIMEOUT"
+DEFAULT_INIT_TIMEOUT = 60.0   # start-up takes 0.2-3 s here; the bound also covers ranks that start late
+INIT_HANG_EXIT_CODE = 3       # = _ftcoll.INIT_HANG_EXIT_CODE (not imported here: that loads mpi4py.MPI)
+HANG_EXIT_CODE = 124          # a finalize that hangs, as timeout(1)
+_armed = False
+
+
+def _check_timeout(what: str, timeout: Any) -> None:
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and math.isfinite(timeout)
+                                         and timeout > 0):
+        raise ValueError(f"{what} timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def env_seconds(name: str, default: float, environ: Mapping[str, str] = os.environ) -> float:
+    """A bound in seconds from $name, or `default` when it is unset or empty."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={raw!r} is not a positive number of seconds "
+                         f"(unset it for the default, {default:g})")
+    return value
+
+
+def init_timeout(environ: Mapping[str, str] = os.environ) -> float:
+    """The MPI_Init bound in seconds: $ULFMTRAIN_INIT_TIMEOUT, or 60 when it is unset or empty."""
+    return env_seconds(INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT, environ)
+
+
+def under_mpirun(environ: Mapping[str, str] = os.environ) -> bool:
+    """True in a rank that mpirun (or MPI_Comm_spawn) started; False in launchers and data tools."""
+    return "OMPI_COMM_WORLD_SIZE" in environ or "PMIX_RANK" in environ
+
+
+def init(timeout: float | None = None) -> int:
+    """MPI_Init_thread(MPI_THREAD_MULTIPLE) within `timeout` s, else one line on stderr and exit 3.
+
+    timeout defaults to $ULFMTRAIN_INIT_TIMEOUT (60 s).  Returns the thread
+    level provided.  A no-op when MPI is already initialized, e.g. because the
+    program imported mpi4py.MPI before ulfmtrain: that start-up is unbounded,
+    the program's choice.
+    """
+    timeout = init_timeout() if timeout is None else timeout
+    _check_timeout("MPI_Init", timeout)
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        raise RuntimeError("MPI was finalized already; it cannot be initialized again")
+    if MPI.Is_initialized():
+        return MPI.Query_thread()
+    from .. import _ftcoll
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    provided = _ftcoll.init_bounded(float(timeout))
+    _set_errhandlers(MPI)
+    return provided
+
+
+def _set_errhandlers(MPI: Any) -> None:
+    """What mpi4py does after its own MPI_Init (mpi4py.rc.errors): by default errors raise exceptions."""
+    import mpi4py
+
+    handler = {"exception": MPI.ERRORS_RETURN, "abort": MPI.ERRORS_ABORT,
+               "fatal": MPI.ERRORS_ARE_FATAL}.get(mpi4py.rc.errors)
+    if handler is not None:
+        MPI.COMM_SELF.Set_errhandler(handler)
+        MPI.COMM_WORLD.Set_errhandler(handler)
+
+
+def start_at_import() -> None:
+    """Under mpirun, before anything imports mpi4py.MPI: bounded MPI_Init now, bounded finalize at exit.
+
+    Outside mpirun nothing happens (no MPI in launchers and data tools).  Nor
+    when the program imported mpi4py.MPI first or set mpi4py.rc itself: then
+    MPI's start-up is the program's, and mpi4py's rules apply.
+    """
+    if not under_mpirun() or "mpi4py.MPI" in sys.modules:
+        return
+    import mpi4py
+
+    rc = mpi4py.rc
+    if (rc.initialize, rc.threads, rc.thread_level) != (True, True, "multiple"):
+        return
+    timeout = init_timeout()      # a bad value stops here, before mpi4py is touched
+    rc.initialize = False         # read when mpi4py.MPI is first imported: MPI_Init is ours
+    if rc.finalize is None:
+        rc.finalize = False       # the bounded finalize armed below replaces mpi4py's unbounded one
+    init(timeout)
+    arm_at_exit()
+
+
+def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
+    """MPI_Finalize within `timeout` seconds, else exit with exit_code (124 if it was 0); return exit_code."""
+    _check_timeout("finalize", timeout)
+    if "mpi4py.MPI" not in sys.modules:
+        return exit_code          # nothing initialized MPI (importing it here could, to finalize it at once)
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return exit_code
+    from .. import _ftcoll
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _ftcoll.finalize(float(timeout), exit_code or HANG_EXIT_CODE)
+    return exit_code
+
+
+def arm_at_exit(timeout: float = 5.0) -> None:
+    """At interpreter exit, leave the job (exits.py): under ULFM, together with the peers and without
+    MPI_Finalize, which can hang after a failure; else finalize, bounded.  Also installs the hooks that make an
+    uncaught exception or SIGTERM a failure the peers see (exits.install).
+
+    Idempotent: only the first call registers.
+    """
+    global _armed
+    if not _armed:
+        _armed = True
+        from . import exits
+        exits.install()
+        # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
+        atexit.register(_at_exit, timeout)
+
+
+def mpi4py_finalizes_at_exit() -> bool:
+    """mpi4py calls MPI_Finalize, unbounded, at interpreter exit: the program imported mpi4py.MPI before
+    ulfmtrain (start_at_import then leaves MPI's start-up and end to mpi4py's rules)."""
+    import mpi4py
+
+    rc = mpi4py.rc
+    return bool(rc.initialize if rc.finalize is None else rc.finalize)
+
+
+def _at_exit(timeout: float) -> None:
+    from . import exits
+    if exits.fault_tolerant():
+        exits.at_exit()     # returns once every member is leaving; MPI_Finalize is skipped (docs/failures.md)
+        if not mpi4py_finalizes_at_exit():
+            return
+    # mpi4py's own MPI_Finalize would come next, with no bound: finalize here, bounded, instead.
+    finalize(timeout)
