@@ -22,12 +22,14 @@ second (0 or 1) if it was one.  Decisions come only from these agreed values.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 LEAVING = 1 << 29          # this member is leaving the job
@@ -42,6 +44,8 @@ _wrappers: list[weakref.ref] = []
 _left = False              # the exit protocol ran (an exception's): the end of the program must not run it again
 _previous_hook = sys.excepthook
 _installed = False
+_armed = False
+_at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (the fork server: forkserver.drain)
 
 
 class Terminated(BaseException):
@@ -61,6 +65,27 @@ def fault_tolerant() -> bool:
         return False
     from mpi4py import MPI
     return bool(MPI.Is_initialized() and not MPI.Is_finalized())
+
+
+def at_leave(end: Callable[[], None]) -> None:
+    """Call `end` once this rank leaves a job whose members all leave (the layers above hook in here)."""
+    if end not in _at_leave:
+        _at_leave.append(end)
+
+
+def arm_at_exit(timeout: float = 5.0) -> None:
+    """At interpreter exit, leave the job: under ULFM, together with the peers and without
+    MPI_Finalize, which can hang after a failure; else finalize, bounded.  Also installs the hooks that make an
+    uncaught exception or SIGTERM a failure the peers see (exits.install).
+
+    Idempotent: only the first call registers.
+    """
+    global _armed
+    if not _armed:
+        _armed = True
+        install()
+        # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
+        atexit.register(_at_exit, timeout)
 
 
 def install() -> None:
@@ -122,7 +147,6 @@ def leave(failed: bool) -> None:
     _left = True
     from mpi4py import MPI
 
-    from ..membership import forkserver
     from .stall import die_told
 
     sys.stdout.flush()
@@ -150,7 +174,8 @@ def leave(failed: bool) -> None:
     spares: int = getattr(w, "spares_left", 0)
     if failed and spares:
         w.release_spares()      # waiting spares leave too
-    forkserver.drain()
+    for end in _at_leave:
+        end()
     _pmix_finalize()
 
 
@@ -212,3 +237,12 @@ def die_after_failure() -> NoReturn:
     sys.stderr.flush()
     os._exit(1)
 
+
+def _at_exit(timeout: float) -> None:
+    from . import lifecycle
+    if fault_tolerant():
+        at_exit()     # returns once every member is leaving; MPI_Finalize is skipped (docs/failures.md)
+        if not lifecycle.mpi4py_finalizes_at_exit():
+            return
+    # mpi4py's own MPI_Finalize would come next, with no bound: finalize here, bounded, instead.
+    lifecycle.finalize(timeout)
