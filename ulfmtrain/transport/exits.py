@@ -32,6 +32,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from . import lifecycle
+
 LEAVING = 1 << 29          # this member is leaving the job
 FAILED = 1 << 30           # ... because it failed
 NEUTRAL = LEAVING - 1      # every bit below LEAVING: the AND's identity
@@ -85,7 +87,7 @@ def arm_at_exit(timeout: float = 5.0) -> None:
         _armed = True
         install()
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
-        atexit.register(_at_exit, timeout)
+        atexit.register(finalize, timeout)
 
 
 def install() -> None:
@@ -129,16 +131,22 @@ def at_exit() -> None:
         leave(failed=False)
 
 
+def ends_with_mpi_finalize() -> bool:
+    """How this process ends, decided here only: True, with MPI_Finalize, bounded (lifecycle.finalize), without
+    ULFM, or where mpi4py would call it at exit with no bound (the program imported mpi4py.MPI before ulfmtrain:
+    then MPI_Finalize also ends PMIx); False, under ULFM, without it (it can wait for good after a failure):
+    the rank leaves with its peers and ends PMIx itself (_pmix_finalize)."""
+    return not fault_tolerant() or lifecycle.mpi4py_finalizes_at_exit()
+
+
 def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
-    """A program's explicit finalize (FaultTolerantComm.finalize): under ULFM, leave with the peers now, as at
-    the end (MPI stays initialized); else lifecycle.finalize, bounded.  Returns exit_code."""
-    from . import lifecycle
+    """The end of a rank, explicit (FaultTolerantComm.finalize) or at interpreter exit (arm_at_exit): under ULFM,
+    leave with the peers now (MPI stays initialized); then MPI_Finalize, bounded, where ends_with_mpi_finalize
+    says so.  Returns exit_code."""
+    finalizes = ends_with_mpi_finalize()     # decided before leaving, which ends PMIx where it is False
     if fault_tolerant():
         at_exit()
-        if not lifecycle.mpi4py_finalizes_at_exit():
-            return exit_code
-    # Without ULFM, or where mpi4py would finalize at exit with no bound (it initialized MPI): bounded here.
-    return lifecycle.finalize(timeout, exit_code)
+    return lifecycle.finalize(timeout, exit_code) if finalizes else exit_code
 
 
 def leave(failed: bool) -> None:
@@ -185,8 +193,7 @@ def _pmix_finalize() -> None:
     processes, mpirun reports a process that exits without MPI_Finalize as an abnormal end (status 1)."""
     import ctypes
 
-    from . import lifecycle
-    if lifecycle.mpi4py_finalizes_at_exit():
+    if ends_with_mpi_finalize():
         return      # MPI_Finalize comes (bounded) and ends PMIx itself: a PMIx ended before it makes it fail
     try:
         with open("/proc/self/maps") as maps:     # libmpi's own libpmix (no pmix.h ships with the wheel)
@@ -236,13 +243,3 @@ def die_after_failure() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
-
-
-def _at_exit(timeout: float) -> None:
-    from . import lifecycle
-    if fault_tolerant():
-        at_exit()     # returns once every member is leaving; MPI_Finalize is skipped (docs/failures.md)
-        if not lifecycle.mpi4py_finalizes_at_exit():
-            return
-    # mpi4py's own MPI_Finalize would come next, with no bound: finalize here, bounded, instead.
-    lifecycle.finalize(timeout)
