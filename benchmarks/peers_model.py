@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_MODELS = Path(__file__).resolve().parent.parent / "ulfmtrain" / "models.py"
+_MODELS = Path(__file__).resolve().parent.parent / "ulfmtrain" / "training" / "models.py"
 
 
 def _digits_cnn_class() -> type[torch.nn.Module]:

@@ -15,20 +15,22 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from .transport import lifecycle
+from .transport import exits, lifecycle
 
 # Before anything imports mpi4py.MPI, which would initialize MPI with no bound.
-lifecycle.start_at_import()
+if lifecycle.start_at_import():
+    exits.arm_at_exit()
 
 try:
     __version__ = version("ulfmtrain")
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-# The layers, lowest first: a module imports only from its own layer and the ones below (tests/test_style.py
-# holds it, imports inside functions included).  The extension _ftcoll is below them all; cli, __main__ and
-# this file are above.  Each package's docstring says what it holds.
-_LAYERS = ("core", "transport", "training", "membership", "job", "launching", "tools")
+# The layers, lowest first, each with its packages: a module imports only from its own layer and the ones below
+# (tests/test_style.py holds it, imports inside functions included).  The extension _ftcoll is below them all;
+# cli, __main__ and this file are above.  Each package's docstring says what it holds.
+_LAYERS = (("core",), ("transport",), ("training", "data", "checkpoint"), ("membership",), ("job",),
+           ("launching",), ("tools",))
 
 # The public API: what a training program needs.  Everything else stays importable from its module
 # (ulfmtrain.data, ulfmtrain.checkpoint, ulfmtrain.transport.faults, ...).  README.md lists these names.

@@ -112,7 +112,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .core.modes import run
+    from .job.run import run
 
     return run(TrainJob.from_args(args))
 
@@ -120,7 +120,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     import os
 
-    from .launching.launch import COMMANDS, REPLACE_ENV, SPARES_ENV, launch
+    from .job.script import REPLACE_ENV, SPARES_ENV
+    from .launching.launch import COMMANDS, launch
 
     argv = list(args.argv)
     if argv and argv[0] == "--":

@@ -5,6 +5,9 @@
 - :mod:`.checkpointer`: :class:`Checkpointer` and the :class:`TrainingState` protocol it saves and restores.
 
 Importing this package does not import torch or MPI: the supervisor reads pointers with it.
+
+Layer 3, training (beside ulfmtrain.training).  The rule: a module here imports only from this layer and the
+ones below (transport, core); the layers, lowest first, are ulfmtrain._LAYERS.
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@
 - :mod:`.loader`: :class:`ExactlyOnceSampler`, those queues as a batch sampler for torch's DataLoader.
 
 Nothing here imports torch or MPI: the data tools stay light.
+
+Layer 3, training (beside ulfmtrain.training).  The rule: a module here imports only from this layer and the
+ones below (transport, core); the layers, lowest first, are ulfmtrain._LAYERS.
 """
 
 from __future__ import annotations

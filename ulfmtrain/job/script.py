@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.events import Event, EventLog
-from ..launching.launch import REPLACE_ENV, SPARES_ENV
 
+# Set by `launch` for a script's ranks (connect reads them): the hot spares and the replacement policy.
+SPARES_ENV, REPLACE_ENV = "ULFMTRAIN_SPARES", "ULFMTRAIN_REPLACE"
 EVENTS_ENV = "ULFMTRAIN_EVENTS"        # a directory: each rank appends its events to rank<slot>.jsonl there
 KILL_ENV = "ULFMTRAIN_KILL"            # kill specs, comma-separated (RANK@STEP[:PHASE]): try recovery out
 REQUIRE_ENV = "ULFMTRAIN_REQUIRE_FT"   # 1: refuse to run without fault tolerance (no world of one)

@@ -81,8 +81,6 @@ def program(argv: Sequence[str]) -> list[str]:
 
 # The ulfmtrain commands that `launch -- COMMAND` runs as `python -P -m ulfmtrain COMMAND`.
 COMMANDS = ("train",)
-# Set by launch for a script's ranks (script.connect reads them): the hot spares and the replacement policy.
-SPARES_ENV, REPLACE_ENV = "ULFMTRAIN_SPARES", "ULFMTRAIN_REPLACE"
 
 
 def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:

@@ -31,12 +31,15 @@ import sys
 import traceback
 from pathlib import Path
 
+from ..transport import exits, lifecycle
 from .spawn_shim import ADDRESS_ENV, MAX_MESSAGE, sockaddr
 
 ENABLE_ENV = "ULFMTRAIN_FORKSERVER"        # 0: newcomers start from scratch
 FORKED_ENV = "ULFMTRAIN_FORKED"            # set in a newcomer that the server forked
-# With respawn.PRELOAD: what a newcomer imports before it is ready.
-_IMPORTS = ("ulfmtrain.cli", "ulfmtrain.core.modes")
+# What a newcomer imports before it says it is ready (respawn imports PRELOAD in a newcomer that started
+# without a server); the server imports _IMPORTS too.  By name: the server preloads the layers above it.
+PRELOAD = ("torch._dynamo", "ulfmtrain.training.trainer")
+_IMPORTS = ("ulfmtrain.cli", "ulfmtrain.job.run", "ulfmtrain.membership.respawn")
 _LAUNCH_ENV = ("OMPI_", "PMIX_", "PRTE_")  # the starting rank's MPI identity: not the server's
 _PR_SET_PDEATHSIG = 1
 
@@ -73,6 +76,7 @@ def start() -> subprocess.Popen[bytes] | None:
     _server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", address(),
                                 str(os.getppid())], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
+    exits.at_leave(drain)
     return _server
 
 
@@ -112,15 +116,15 @@ def _become(request: dict, fds: list[int], server: int) -> None:
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"], **{FORKED_ENV: "1"})
+        exits.at_leave(drain)         # the job done: this server ends once its children have
         os.chdir(request["cwd"])
         kind, name, args, safe = _program(request["command"])
         sys.argv = [name, *args]
         if not safe:                  # what Python puts first on the path without -P
             sys.path.insert(0, os.getcwd() if kind == "module" else os.path.dirname(os.path.abspath(name)))
-        from ..transport import lifecycle
         if lifecycle.under_mpirun():
             lifecycle.init()          # what importing ulfmtrain does in a rank (it is imported here already)
-            lifecycle.arm_at_exit()
+            exits.arm_at_exit()
         if kind == "module":
             runpy.run_module(name, run_name="__main__", alter_sys=True)
         else:
@@ -130,7 +134,6 @@ def _become(request: dict, fds: list[int], server: int) -> None:
         code = exc.code
     except BaseException:
         traceback.print_exc()
-        from ..transport import exits
         if exits.fault_tolerant():
             exits.leave(failed=True)    # dies by SIGKILL unless every member is leaving
     finally:
@@ -204,10 +207,9 @@ def serve(address: str, watch: int) -> None:
 
 def _preload() -> str:
     """Import what a newcomer needs; the error if an import failed."""
-    name = "ulfmtrain.membership.respawn"
+    name = ""
     try:
-        from . import respawn
-        for name in (*_IMPORTS, *respawn.PRELOAD):
+        for name in (*_IMPORTS, *PRELOAD):
             importlib.import_module(name)
     except Exception as exc:
         return f"the fork server could not import {name} ({exc})"

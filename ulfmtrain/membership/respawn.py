@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from .. import _ftcoll
 from ..core.modes import Phase
-from ..transport import faults, lifecycle
+from ..transport import exits, faults, lifecycle
 from ..transport.comm import _fault_tolerant_dup, agree_all_ok, require_fault_tolerance, retire
 from ..transport.stall import Watchdog, die_told
 from . import forkserver
@@ -57,7 +57,6 @@ LEAVE_S = 6.0
 # A failed batch or join is spawned again (LEAVE_S later) this many times in a row; then the world stays shrunk
 # until the next repair (a spawn that cannot succeed costs every rank 0.1 s per try).
 SPAWN_RETRIES = 2
-PRELOAD = ("torch._dynamo", "ulfmtrain.training.trainer")   # imported before a newcomer says it is ready
 JoinListener = Callable[[dict[str, Any]], None]
 
 
@@ -298,10 +297,10 @@ class RespawnComm(SpareComm):
     def _join_as_newcomer(self, parent: MPI.Intercomm, fail_before_ready: bool = False) -> None:
         """Get ready, merge with the spawning rank, wait (test-and-sleep) for the join, and take part in it."""
         require_fault_tolerance()
-        lifecycle.arm_at_exit()
+        exits.arm_at_exit()
         t_start = time.time()
         timer = _watchdog("joining the survivors", "the survivors train on without this process", survived=True)
-        for module in PRELOAD:     # torch's first optimizer imports torch._dynamo (2 s here)
+        for module in forkserver.PRELOAD:     # torch's first optimizer imports torch._dynamo (2 s here)
             importlib.import_module(module)
         if fail_before_ready:
             raise RuntimeError("the kill schedule's `newcomer` phase: this respawned process fails before it is ready")

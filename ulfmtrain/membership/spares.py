@@ -23,7 +23,7 @@ from mpi4py import MPI
 from .. import _ftcoll
 from ..core.modes import Phase
 from ..training.device import local_rank
-from ..transport import faults, lifecycle
+from ..transport import exits, faults
 from ..transport.comm import (
     FaultPathError,
     FaultTolerantComm,
@@ -68,7 +68,7 @@ class SpareComm(FaultTolerantComm):
         self.takeover: dict | None = None      # a spare that took a slot: which slot, and whether in start-up
         self.placement: list[int] = world.allgather(local_rank())   # slot s keeps launch rank s's GPU (device.py)
         self._setup(self._split(self.slot), -1 if self.slot is None else self.slot, list(range(self.slots)))
-        lifecycle.arm_at_exit()
+        exits.arm_at_exit()
 
     @property
     def is_spare(self) -> bool:

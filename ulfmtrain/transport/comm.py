@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from .. import _ftcoll
 from ..core.modes import Phase
-from . import exits, faults, lifecycle, tether
+from . import exits, faults, tether
 
 T = TypeVar("T")
 FaultPathError = _ftcoll.FaultPathError
@@ -237,7 +237,7 @@ class FaultTolerantComm(_CommBase):
         self._setup(_fault_tolerant_dup(comm or MPI.COMM_WORLD))
         # An agent launch: a repair commits only once the head confirms it (no split brain; tether.py).
         tether.install(self)
-        lifecycle.arm_at_exit()
+        exits.arm_at_exit()
 
     # -- the transaction -------------------------------------------------
     def transaction(self, attempt: Callable[[int], T], commit: Callable[[T], None] | None = None, *,

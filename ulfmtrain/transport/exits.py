@@ -22,13 +22,17 @@ second (0 or 1) if it was one.  Decisions come only from these agreed values.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, NoReturn
+
+from . import lifecycle
 
 LEAVING = 1 << 29          # this member is leaving the job
 FAILED = 1 << 30           # ... because it failed
@@ -42,6 +46,8 @@ _wrappers: list[weakref.ref] = []
 _left = False              # the exit protocol ran (an exception's): the end of the program must not run it again
 _previous_hook = sys.excepthook
 _installed = False
+_armed = False
+_at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (the fork server: forkserver.drain)
 
 
 class Terminated(BaseException):
@@ -61,6 +67,27 @@ def fault_tolerant() -> bool:
         return False
     from mpi4py import MPI
     return bool(MPI.Is_initialized() and not MPI.Is_finalized())
+
+
+def at_leave(end: Callable[[], None]) -> None:
+    """Call `end` once this rank leaves a job whose members all leave (the layers above hook in here)."""
+    if end not in _at_leave:
+        _at_leave.append(end)
+
+
+def arm_at_exit(timeout: float = 5.0) -> None:
+    """At interpreter exit, leave the job: under ULFM, together with the peers and without
+    MPI_Finalize, which can hang after a failure; else finalize, bounded.  Also installs the hooks that make an
+    uncaught exception or SIGTERM a failure the peers see (exits.install).
+
+    Idempotent: only the first call registers.
+    """
+    global _armed
+    if not _armed:
+        _armed = True
+        install()
+        # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
+        atexit.register(finalize, timeout)
 
 
 def install() -> None:
@@ -104,16 +131,22 @@ def at_exit() -> None:
         leave(failed=False)
 
 
+def ends_with_mpi_finalize() -> bool:
+    """How this process ends, decided here only: True, with MPI_Finalize, bounded (lifecycle.finalize), without
+    ULFM, or where mpi4py would call it at exit with no bound (the program imported mpi4py.MPI before ulfmtrain:
+    then MPI_Finalize also ends PMIx); False, under ULFM, without it (it can wait for good after a failure):
+    the rank leaves with its peers and ends PMIx itself (_pmix_finalize)."""
+    return not fault_tolerant() or lifecycle.mpi4py_finalizes_at_exit()
+
+
 def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
-    """A program's explicit finalize (FaultTolerantComm.finalize): under ULFM, leave with the peers now, as at
-    the end (MPI stays initialized); else lifecycle.finalize, bounded.  Returns exit_code."""
-    from . import lifecycle
+    """The end of a rank, explicit (FaultTolerantComm.finalize) or at interpreter exit (arm_at_exit): under ULFM,
+    leave with the peers now (MPI stays initialized); then MPI_Finalize, bounded, where ends_with_mpi_finalize
+    says so.  Returns exit_code."""
+    finalizes = ends_with_mpi_finalize()     # decided before leaving, which ends PMIx where it is False
     if fault_tolerant():
         at_exit()
-        if not lifecycle.mpi4py_finalizes_at_exit():
-            return exit_code
-    # Without ULFM, or where mpi4py would finalize at exit with no bound (it initialized MPI): bounded here.
-    return lifecycle.finalize(timeout, exit_code)
+    return lifecycle.finalize(timeout, exit_code) if finalizes else exit_code
 
 
 def leave(failed: bool) -> None:
@@ -122,7 +155,6 @@ def leave(failed: bool) -> None:
     _left = True
     from mpi4py import MPI
 
-    from ..membership import forkserver
     from .stall import die_told
 
     sys.stdout.flush()
@@ -150,7 +182,8 @@ def leave(failed: bool) -> None:
     spares: int = getattr(w, "spares_left", 0)
     if failed and spares:
         w.release_spares()      # waiting spares leave too
-    forkserver.drain()
+    for end in _at_leave:
+        end()
     _pmix_finalize()
 
 
@@ -160,8 +193,7 @@ def _pmix_finalize() -> None:
     processes, mpirun reports a process that exits without MPI_Finalize as an abnormal end (status 1)."""
     import ctypes
 
-    from . import lifecycle
-    if lifecycle.mpi4py_finalizes_at_exit():
+    if ends_with_mpi_finalize():
         return      # MPI_Finalize comes (bounded) and ends PMIx itself: a PMIx ended before it makes it fail
     try:
         with open("/proc/self/maps") as maps:     # libmpi's own libpmix (no pmix.h ships with the wheel)
@@ -211,4 +243,3 @@ def die_after_failure() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
-

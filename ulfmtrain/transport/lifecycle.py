@@ -9,12 +9,11 @@ on a hang it writes one line on stderr and ends the process with a non-zero
 code, so a hang is never waited on for ever nor reported as success.
 
 Under mpirun, `import ulfmtrain` calls `start_at_import()`: mpi4py is told not
-to initialize or finalize MPI itself, MPI_Init runs here, bounded, and the
-exit protocol (exits.py) is armed: the exception hook, SIGTERM, and the end.
+to initialize or finalize MPI itself, MPI_Init runs here, bounded, and then
+exits.arm_at_exit arms the exit protocol: the exception hook, SIGTERM, and the end.
 """
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import sys
@@ -25,7 +24,6 @@ INIT_TIMEOUT_ENV = "ULFMTRAIN_INIT_TIMEOUT"
 DEFAULT_INIT_TIMEOUT = 60.0   # start-up takes 0.2-3 s here; the bound also covers ranks that start late
 INIT_HANG_EXIT_CODE = 3       # = _ftcoll.INIT_HANG_EXIT_CODE (not imported here: that loads mpi4py.MPI)
 HANG_EXIT_CODE = 124          # a finalize that hangs, as timeout(1)
-_armed = False
 
 
 def _check_timeout(what: str, timeout: Any) -> None:
@@ -95,26 +93,27 @@ def _set_errhandlers(MPI: Any) -> None:
         MPI.COMM_WORLD.Set_errhandler(handler)
 
 
-def start_at_import() -> None:
-    """Under mpirun, before anything imports mpi4py.MPI: bounded MPI_Init now, bounded finalize at exit.
+def start_at_import() -> bool:
+    """Under mpirun, before anything imports mpi4py.MPI: bounded MPI_Init now; True when it ran (the caller then
+    arms the bounded end, exits.arm_at_exit).
 
     Outside mpirun nothing happens (no MPI in launchers and data tools).  Nor
     when the program imported mpi4py.MPI first or set mpi4py.rc itself: then
     MPI's start-up is the program's, and mpi4py's rules apply.
     """
     if not under_mpirun() or "mpi4py.MPI" in sys.modules:
-        return
+        return False
     import mpi4py
 
     rc = mpi4py.rc
     if (rc.initialize, rc.threads, rc.thread_level) != (True, True, "multiple"):
-        return
+        return False
     timeout = init_timeout()      # a bad value stops here, before mpi4py is touched
     rc.initialize = False         # read when mpi4py.MPI is first imported: MPI_Init is ours
     if rc.finalize is None:
-        rc.finalize = False       # the bounded finalize armed below replaces mpi4py's unbounded one
+        rc.finalize = False       # the bounded finalize armed by exits replaces mpi4py's unbounded one
     init(timeout)
-    arm_at_exit()
+    return True
 
 
 def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
@@ -134,22 +133,6 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
     return exit_code
 
 
-def arm_at_exit(timeout: float = 5.0) -> None:
-    """At interpreter exit, leave the job (exits.py): under ULFM, together with the peers and without
-    MPI_Finalize, which can hang after a failure; else finalize, bounded.  Also installs the hooks that make an
-    uncaught exception or SIGTERM a failure the peers see (exits.install).
-
-    Idempotent: only the first call registers.
-    """
-    global _armed
-    if not _armed:
-        _armed = True
-        from . import exits
-        exits.install()
-        # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
-        atexit.register(_at_exit, timeout)
-
-
 def mpi4py_finalizes_at_exit() -> bool:
     """mpi4py calls MPI_Finalize, unbounded, at interpreter exit: the program imported mpi4py.MPI before
     ulfmtrain (start_at_import then leaves MPI's start-up and end to mpi4py's rules)."""
@@ -157,13 +140,3 @@ def mpi4py_finalizes_at_exit() -> bool:
 
     rc = mpi4py.rc
     return bool(rc.initialize if rc.finalize is None else rc.finalize)
-
-
-def _at_exit(timeout: float) -> None:
-    from . import exits
-    if exits.fault_tolerant():
-        exits.at_exit()     # returns once every member is leaving; MPI_Finalize is skipped (docs/failures.md)
-        if not mpi4py_finalizes_at_exit():
-            return
-    # mpi4py's own MPI_Finalize would come next, with no bound: finalize here, bounded, instead.
-    finalize(timeout)
