@@ -98,9 +98,9 @@ def test_dropout_keeps_the_models_state_dict_and_initial_weights(name):
 
 def test_dropout_on_a_model_factory_or_out_of_range_is_one_line():
     with pytest.raises(ValueError, match="put nn.Dropout layers in your model factory"):
-        build_model("ulfmtrain.models:large_mlp", dropout=0.1)
+        build_model("ulfmtrain.training.models:large_mlp", dropout=0.1)
     from ulfmtrain.cli import build_parser
-    from ulfmtrain.job import TrainJob
+    from ulfmtrain.training.config import TrainJob
 
     for bad in ("1", "-0.1"):
         job = TrainJob.from_args(build_parser().parse_args(["train", "--data", "d", "--dropout", bad]))
@@ -111,7 +111,7 @@ def test_dropout_on_a_model_factory_or_out_of_range_is_one_line():
 def test_dropout_schedule_and_amp_survive_the_round_trip_to_argv():
     """Relaunches (supervise, reinit's replacements) rebuild the command line from the job."""
     from ulfmtrain.cli import build_parser
-    from ulfmtrain.job import TrainJob
+    from ulfmtrain.training.config import TrainJob
 
     argv = ["train", "--data", "d", "--dropout", "0.25", "--lr-schedule", "cosine", "--amp"]
     job = TrainJob.from_args(build_parser().parse_args(argv))
