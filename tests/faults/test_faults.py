@@ -29,6 +29,22 @@ def train_with_kills(mpi, digits_dir, out, kills, *extra):
     return proc, read_rank_logs(out)
 
 
+@pytest.fixture(scope="module")
+def shared_run(mpi, digits_dir, tmp_path_factory):
+    """train_with_kills, run once per (kills, flags) in this module: the same job serves every test that asks
+    for it (the failure-free runs, and the kills between buckets that the bit-identity test compares), which
+    saves four 4-rank jobs.  Returns (proc, logs, out)."""
+    done: dict[tuple, tuple] = {}
+
+    def run(kills: list[str], *extra: str):
+        key = (tuple(kills), extra)
+        if key not in done:
+            out = tmp_path_factory.mktemp("shared")
+            done[key] = (*train_with_kills(mpi, digits_dir, out, kills, *extra), out)
+        return done[key]
+    return run
+
+
 def check_invariants(proc, logs, digits_dir, kills, history, reload="partial", policy="exactly-once",
                      lr_scaled=True):
     """Everything a fault run must hold, judged by what the ranks wrote."""
@@ -127,9 +143,9 @@ CASES = {
 
 @pytest.mark.timeout(BOUND_S + 30)
 @pytest.mark.parametrize("case", CASES)
-def test_fault_case(case, mpi, digits_dir, tmp_path):
+def test_fault_case(case, digits_dir, shared_run):
     kills, history = CASES[case]
-    proc, logs = train_with_kills(mpi, digits_dir, tmp_path, kills)
+    proc, logs, out = shared_run(kills)
     recs = check_invariants(proc, logs, digits_dir, kills, history)
     if case == "last_step_of_epoch":
         assert select(logs, "start")[0]["steps_per_epoch"] == 23
@@ -137,7 +153,7 @@ def test_fault_case(case, mpi, digits_dir, tmp_path):
         assert any(x["shrinks"] == 2 for r in recs for x in recs[r]), recs
     if "commit_agree" in case:   # died before the commit agree: step 34 committed, everyone repairs in step 35
         assert all(x["step"] == 35 for r in recs for x in recs[r]), recs
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["world_history"] == history and summary["test_acc"] > 0.8 and summary["consistent"]
 
 
@@ -153,22 +169,23 @@ OVERLAP_CASES = {
 
 @pytest.mark.timeout(BOUND_S + 30)
 @pytest.mark.parametrize("case", OVERLAP_CASES)
-def test_fault_case_with_overlap(case, mpi, digits_dir, tmp_path):
+def test_fault_case_with_overlap(case, digits_dir, shared_run):
     kills, history = OVERLAP_CASES[case]
-    proc, logs = train_with_kills(mpi, digits_dir, tmp_path, kills, "--overlap")
+    proc, logs, _ = shared_run(kills, "--overlap")
     recs = check_invariants(proc, logs, digits_dir, kills, history)
     if case.endswith("overlapped_buckets"):     # detection timed from the first bucket handed to the thread
         assert all(x["detect_ms"] > 0 and not x["committed"] for r in recs for x in recs[r]), recs
 
 
 @pytest.mark.timeout(2 * BOUND_S + 30)
-def test_overlap_is_bit_identical_to_reducing_after_backward(mpi, digits_dir, tmp_path):
-    """With and without a kill inside the buckets, the overlapped run ends on the same bits."""
+def test_overlap_is_bit_identical_to_reducing_after_backward(shared_run):
+    """With and without a kill inside the buckets, the overlapped run ends on the same bits.  (The killed runs
+    are test_fault_case's between_buckets and test_fault_case_with_overlap's inside_overlapped_buckets.)"""
+    assert OVERLAP_CASES["inside_overlapped_buckets"][0] == CASES["between_buckets"][0] == ["2@34:allreduce"]
     for kills in ([], ["2@34:allreduce"]):
         sums = set()
         for flag in ([], ["--overlap"]):
-            out = tmp_path / f"{len(kills)}{''.join(flag)}"
-            _, logs = train_with_kills(mpi, digits_dir, out, kills, *flag)
+            _, logs, _ = shared_run(kills, *flag)
             sums |= {x["checksum"] for recs in logs.values() for x in recs if x["event"] == "end"}
         assert len(sums) == 1, (kills, sums)
 
@@ -259,11 +276,11 @@ def test_grad_scaler_and_scheduler_through_an_overflow_and_a_failure(mpi, tmp_pa
 
 
 @pytest.mark.timeout(3 * BOUND_S)
-def test_an_mpi_error_with_nobody_dead_is_redone_with_everyone(mpi, digits_dir, tmp_path):
+def test_an_mpi_error_with_nobody_dead_is_redone_with_everyone(mpi, digits_dir, tmp_path, shared_run):
     """Rank 2's reduction meets an MPI error inside the buckets in two attempts in a row, and nobody dies:
     the communicator is rebuilt with all four ranks and the step redone; the run ends on the failure-free
     bits.  Four in a row is not transient: every rank stops with one line, and keeps what it wrote."""
-    _, free = train_with_kills(mpi, digits_dir, tmp_path / "free", [])
+    _, free, _ = shared_run([])          # the failure-free run (the bit-identity test's)
     proc, logs = train_with_kills(mpi, digits_dir, tmp_path / "twice", ["2@34:error=2"])
     diag = proc.stderr[-3000:]
     ends = [select(logs[r], "end") for r in range(RANKS)]

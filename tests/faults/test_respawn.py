@@ -40,7 +40,8 @@ def sizes(history: list[int]) -> list[int]:
 
 @pytest.mark.timeout(2 * BOUND_S)
 def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi, digits_dir, tmp_path):
-    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 30, "1@30")
+    # 15 epochs (345 steps): the newcomer joins a few to a few dozen steps after the kill at step 30.
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 15, "1@30")
     assert end["world_history"] == [4, 3, 4]
     (spawning,) = respawns(logs, 0, "spawning")
     (joined,) = respawns(logs, 0, "joined")
@@ -100,7 +101,7 @@ def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, di
     """The spare takes slot 1 at step 15; the refill of the spare starts at step 16's boundary, and slot 2 dies in
     step 17, before any boundary could join it (at step 25 it had joined once in CI, 0.2 s later, and took slot 2
     as a spare: no shrink); the world shrinks, and the refill, still in flight, takes slot 2 when it joins."""
-    end, logs, _ = train(mpi, digits_dir, tmp_path, 3, 1, 30, "1@15", "2@17")
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 3, 1, 15, "1@15", "2@17")
     assert end["world_history"][:3] == [3, 3, 2] and end["world_history"][-1] == 3, end
     first, second = select(logs[0], "recovery")[:2]
     assert list(first["replaced"]) == ["1"] and second["removed"] == [2]
@@ -130,7 +131,9 @@ def test_a_respawned_process_that_dies_once_ready_is_survived_and_replaced(mpi, 
     reduction, about half the runs), or never returns from the merge (then slot 0 ends itself after the spawn
     bound, with one line and by SIGKILL: the others were never told of an exit, and hung in CI).  Whichever:
     training goes on, exactly once, and the world comes back to 4."""
-    end, logs, stderr = train(mpi, digits_dir, tmp_path, 4, 0, 120, "1@30", "0@30:ready",
+    # 80 epochs (1840 steps, about 45 s on a 2-core CI box): the world is back to 4 within about 10 s of step 30
+    # whichever way it goes (a spawn bound of 5 s, or LEAVE_S, then a spawn and a join): 4x room on that box.
+    end, logs, stderr = train(mpi, digits_dir, tmp_path, 4, 0, 80, "1@30", "0@30:ready",
                               env={"ULFMTRAIN_SPAWN_TIMEOUT": "5"})
     (kill,) = select(logs[0], "kill")
     assert kill["phase"] == "ready" and kill["pid"] > 0, kill
@@ -175,8 +178,9 @@ def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, d
     """A slot dies after the join's intercommunicator, before the merge (slot 0: the spawning rank, which leads
     the join): the survivors decide together not to merge, say so, train on shrunk, and a later spawn refills
     the world."""
-    # 120 epochs: room for the second spawn, of two processes, LEAVE_S after the failed join, to join before the end.
-    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 120, "1@30", f"{victim}@30:join")
+    # 80 epochs: room for the second spawn, of two processes, LEAVE_S after the failed join, to join before the end
+    # (about 10 s after step 30; 80 epochs take about 45 s on a 2-core CI box: 4x room).
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 80, "1@30", f"{victim}@30:join")
     (kill,) = select(logs[victim], "kill")
     assert kill["phase"] == "join"
     failed = respawns(logs, 3, "failed")
@@ -199,7 +203,7 @@ def test_a_death_inside_the_merge_ends_the_job_and_supervise_resumes_from_the_ch
     ($ULFMTRAIN_SPAWN_TIMEOUT) ends the job with one line; supervise resumes it from the checkpoint written at the
     boundary before the join, and no step that was updated is redone."""
     out = tmp_path / "run"
-    argv = ["train", "--data", str(digits_dir), "--out", str(out), "--epochs", "40", *TRAIN, "--recovery", "shrink",
+    argv = ["train", "--data", str(digits_dir), "--out", str(out), "--epochs", "20", *TRAIN, "--recovery", "shrink",
             "--ckpt-dir", str(out / "ckpt"), "--kill", "1@30", "--kill", "2@30:merge"]
     proc = mpi.supervise(4, argv, "--timeout", str(BOUND_S), timeout=2 * BOUND_S - 10,
                          env={"ULFMTRAIN_SPAWN_TIMEOUT": "5"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -120,11 +121,19 @@ def _flip(path: Path, offset_from_end: int = 10) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.fixture
-def three(tmp_path: Path) -> Path:
-    """A directory with checkpoints of steps 10, 20 and 30 (latest -> 30)."""
+@pytest.fixture(scope="session")
+def three_written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints of steps 10, 20 and 30, written once (60 SGD steps and three writes) for every test's copy."""
+    d = tmp_path_factory.mktemp("three")
     for s in (10, 20, 30):
-        write_checkpoint(tmp_path, _snap(s)[1])
+        write_checkpoint(d, _snap(s)[1])
+    return d
+
+
+@pytest.fixture
+def three(tmp_path: Path, three_written: Path) -> Path:
+    """A directory with checkpoints of steps 10, 20 and 30 (latest -> 30), this test's own."""
+    shutil.copytree(three_written, tmp_path, dirs_exist_ok=True)
     return tmp_path
 
 
