@@ -39,8 +39,9 @@ from ulfmtrain.launch import mpirun_command
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 150                  # a run of 2 epochs takes 10-40 s on a shared 2-core box; a hang is any run past this
 EPOCHS, CKPT_EVERY, RESUME_STEP = 2, 5, 8
-DEFAULT_SEEDS = [6, 7]         # in the default suite: respawn (SIGINT, a death in the repair) and spares (SIGTERM, exit 3,
-                               # a death in the repair), both on 3 slots (one failure-free run)
+# In the default suite: respawn (SIGINT, a death in the repair) and spares (SIGTERM, exit 3, a death in the repair),
+# both on 3 slots (one failure-free run).
+DEFAULT_SEEDS = [6, 7]
 TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress"]
 # Failure kinds, as the kill spec's /KIND suffix says them (faults.py): one more kind is one more line.
 KINDS = (
