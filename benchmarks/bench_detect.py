@@ -211,7 +211,7 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
 def plot(by: dict[str, dict[int, dict]], path: Path) -> None:
     """Stacked medians of the chain, one bar per mode and n."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
     bars = [(mode, n) for mode in by for n in sorted(by[mode])]
     stack = [("kernel_ms", "kernel: process teardown"), ("pmix_ms", "PRRTE + PMIx event"),
              ("ulfm_error_ms", "ULFM: error in the pending op"), ("commit_agree_ms", "commit agree"),
@@ -235,7 +235,7 @@ def plot(by: dict[str, dict[int, dict]], path: Path) -> None:
     ax.set_title("SIGKILL -> next committed step (block: kill -> error drawn as one link)")
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left")
+    ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(True, axis="y", alpha=0.3)
     save_figure(fig, path)
 
