@@ -141,9 +141,33 @@ def _run(argv: list[str], ranks: int, out: Path, bound: float) -> tuple[int | No
         text, _ = proc.communicate(timeout=bound)
         return proc.returncode, text[-6000:], time.monotonic() - t0
     except subprocess.TimeoutExpired:
+        _dump_stacks(proc.pid, out.parent / "hang_stacks.txt")
         os.killpg(proc.pid, signal.SIGKILL)        # mpirun, its daemons and every rank it started
         text, _ = proc.communicate()
         return None, text[-6000:], time.monotonic() - t0
+
+
+def _dump_stacks(sid: int, path: Path) -> None:
+    """Every rank's C stacks (gdb, where installed) before a hung run is killed: where each one waits."""
+    gdb = shutil.which("gdb")
+    pids = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
+    if gdb is None or not pids:
+        return
+    with open(path, "w") as f:
+        for pid in pids:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+            except OSError:
+                continue
+            if "ulfmtrain" not in cmd:
+                continue
+            f.write(f"=== pid {pid}: {cmd[:300]}\n")
+            f.flush()
+            try:
+                subprocess.run([gdb, "-p", pid, "-batch", "-ex", "thread apply all bt 30"], stdout=f,
+                               stderr=subprocess.STDOUT, timeout=30)
+            except subprocess.TimeoutExpired:
+                f.write("(gdb did not answer in 30 s)\n")
 
 
 def train_argv(digits_dir: Path, case: Case, ckpt: Path | None) -> list[str]:
@@ -230,7 +254,7 @@ def run_case(case: Case, digits_dir: Path, out: Path, free: FailureFree | None =
     v.fired = [f"{x.get('kind', 'kill')}:{x['phase']}" for recs in logs.values() for x in recs
                if x["event"] in ("kill", "kill_armed")]
     if status is None:
-        v.problems.append(f"hang: no end within {BOUND_S} s")
+        v.problems.append(f"hang: no end within {BOUND_S} s (the ranks' C stacks: {out / 'hang_stacks.txt'})")
         v.outcome = "hang"
         return v
     # (kill_armed: the recovery phase, where the C fault path kills the rank inside its next repair)
