@@ -239,6 +239,8 @@ def exit_ok(status: int | None, tail: str) -> bool:
 
 def run_case(case: Case, digits_dir: Path, out: Path, free: FailureFree | None = None) -> Verdict:
     """Run one schedule and judge it by what the ranks wrote."""
+    for old in ("run", "ckpt"):        # a seed run again (an interrupted fuzzer) starts from nothing
+        shutil.rmtree(out / old, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = None
     if case.resume:
@@ -304,6 +306,7 @@ def summary(results: list[dict]) -> str:
     """Counts of runs by failure kind x program point (ok/runs; a seed counts under each failure it drew), by
     mode, seconds a seed, and every run that was not ok with the seed that reproduces it."""
     from statistics import median
+    results = list({r["seed"]: r for r in results}.values())     # a seed run again: its last run counts
     outcomes = Counter(r["outcome"] for r in results)
     lines = [f"{len(results)} seeds: " + ", ".join(f"{k} {n}" for k, n in sorted(outcomes.items()))
              + (f"; {median(r['seconds'] for r in results):.0f} s a seed (median)" if results else "")]
