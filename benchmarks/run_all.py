@@ -22,6 +22,7 @@ import common  # noqa: E402
 
 SCRIPTS = {
     "shrink": "bench_shrink.py",
+    "detect": "bench_detect.py",
     "reload": "bench_reload.py",
     "convergence": "bench_convergence.py",
     "overhead": "bench_overhead.py",
@@ -33,6 +34,7 @@ SCRIPTS = {
 # The smallest run of each benchmark that still exercises all of its code.
 QUICK_ARGS = {
     "shrink": ["--ranks", "2", "--repeats", "1", "--iters", "3", "--warmup", "3"],
+    "detect": ["--ranks", "2", "--repeats", "1", "--warmup", "3"],
     "reload": ["--mib", "1", "--ranks", "2", "--repeats", "1"],
     "convergence": ["--ranks", "2", "--steps", "20", "--kill-step", "12", "--phases", "backward=0.5"],
     "overhead": ["--ranks", "2", "--max-bytes", "16KiB", "--rounds", "2", "--target-s", "0.005",
@@ -55,6 +57,10 @@ def headline(results: Path, name: str) -> str:
     if name == "shrink":
         return "shrink ms (median survivor): " + ", ".join(
             f"{k} {v['shrink_ms']:.2f} (whole recovery {v['recovery_ms']:.2f})" for k, v in h.items())
+    if name == "detect":
+        return "kill -> first error / kill -> next commit, ms (median survivor): " + ", ".join(
+            f"{k} {v['kill_to_error_ms']:.1f} / {v['kill_to_commit_ms']:.1f} (kernel {v['kernel_ms']:.1f})"
+            for k, v in h.items())
     if name == "reload":
         return "partial/full reload time (slowest survivor): " + ", ".join(
             f"{k} {v['partial_over_full_time']:.3f}" for k, v in h.items())

@@ -51,6 +51,27 @@ def test_bench_shrink(tmp_path: Path) -> None:
     assert set(data["headline"]["n=2"]) == {"shrink_ms", "recovery_ms", "total_ms"}
 
 
+@pytest.mark.timeout(300)
+def test_bench_detect(tmp_path: Path) -> None:
+    data = run_quick("detect", tmp_path, 290)
+    for mode in ("poll", "block"):
+        n2 = data["by_n"][mode]["2"]
+        for key in ("kernel_ms", "kill_to_error_ms", "kill_to_commit_ms", "shrink_ms", "redo_ms"):
+            assert {"median", "p25", "p75"} <= set(n2[key]), (mode, key)
+        assert n2["all_correct"]
+        (run,) = data["runs"][mode]["2"]
+        (survivor,) = run["survivors"]
+        assert survivor["removed"] == [run["victim"]] and survivor["size_after"] == 1
+        # (The driver's poll of the victim's end can run late on a loaded box, so its order against the
+        # survivor's error is not asserted; the survivor's own times are.)
+        assert survivor["kernel_ms"] > 0 and 0 < survivor["kill_to_error_ms"] < survivor["kill_to_commit_ms"]
+    poll = data["runs"]["poll"]["2"][0]["survivors"][0]
+    # Alone, the survivor cannot be revoked first: its library knew of the failure, then the operation failed.
+    assert poll["proc_failed"] and 0 < poll["kill_to_known_ms"] <= poll["kill_to_error_ms"]
+    assert set(data["headline"]) == {"poll n=2", "block n=2"}
+    assert data["load"]["cores"] >= 1
+
+
 @pytest.mark.timeout(120)
 def test_bench_reload(tmp_path: Path) -> None:
     data = run_quick("reload", tmp_path, 110)
