@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ulfmtrain.plots import pyplot, save_figure  # noqa: E402
+from ulfmtrain.tools.plots import pyplot, save_figure  # noqa: E402
 
 NAME = "detect"
 MODES = ("poll", "block")
@@ -88,7 +88,7 @@ def worker(argv: list[str]) -> None:
     import torch  # noqa: F401  (the victim is a training process: its teardown is part of detection)
     from mpi4py import MPI
 
-    from ulfmtrain.comm import FaultTolerantComm
+    from ulfmtrain.transport.comm import FaultTolerantComm
 
     ft = FaultTolerantComm()
     me = ft.world_rank
