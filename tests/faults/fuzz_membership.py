@@ -64,6 +64,7 @@ POINTS = {
     "merge": ("respawn",),
 }
 MERGE_ENDS = "MPI_Intercomm_merge"      # the watchdog's line when a death inside the merge ends the job
+HOLDERS_DIED = "every rank that held the state to hand over has died"   # spares.py / comm.py: status 1
 
 
 @dataclass
@@ -271,6 +272,14 @@ def run_case(case: Case, digits_dir: Path, out: Path, free: FailureFree | None =
         return v
     ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if r < case.slots and select(recs, "end")}
     must = set(range(case.slots)) - killed
+    if not ends and not must and HOLDERS_DIED in tail:
+        # Every slot's failure fired, and together: no rank holding the replica was left to hand it to the
+        # spares (they hold none), so the job must end with status 1 and say why (seed 64: two raised in
+        # the hand-over that the third's SIGINT started).
+        v.outcome = "holders-died"
+        if status != 1:
+            v.problems.append(f"every holder of the state died, but the status is {status}, not 1")
+        return v
     if not ends or not must <= set(ends):
         v.problems.append(f"slots {sorted(must - set(ends))} never ended (ended: {sorted(ends)}; killed: "
                           f"{sorted(killed)})")
@@ -337,7 +346,8 @@ def summary(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-GOOD = ("ok", "merge-ended")      # merge-ended: the documented bounded end of a death inside the merge
+GOOD = ("ok", "merge-ended", "holders-died")  # the documented bounded end of a death inside the merge; every
+# holder of the replica died at once (status 1, said)
 
 
 def main() -> int:
