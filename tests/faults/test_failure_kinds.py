@@ -134,3 +134,19 @@ def test_a_bug_on_every_rank_of_a_users_loop_ends_it_with_status_1(mpi, tmp_path
     assert proc.returncode == 1 and proc.stderr.count("every rank failed") == 1, proc.stderr[-3000:]
     logs = read_rank_logs(tmp_path / "run")
     assert not any(select(recs, "end") for recs in logs.values())
+
+
+@pytest.mark.timeout(BOUND_S + 30)
+def test_replicas_that_end_different_end_the_job_with_status_1(mpi, digits_dir, tmp_path):
+    """No failure at all, but the replicas drift apart (a model that changes its weights outside the optimizer,
+    differently on each rank): the final check finds it on every rank alike, and the job must not say success."""
+    out = tmp_path / "out"
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "scripts")}
+    argv = ["train", "--data", str(digits_dir), "--out", str(out), "--epochs", "1", "--no-progress",
+            "--model", "drifting_model:build"]
+    proc = mpi.run(RANKS, argv, timeout=BOUND_S, env=env)
+    ends = {r: select(recs, "end") for r, recs in read_rank_logs(out).items()}
+    assert sorted(r for r, e in ends.items() if e) == list(range(RANKS)), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not any(e[0]["consistent"] for e in ends.values())
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.count("replicas ended different") == 1, proc.stderr[-3000:]
