@@ -74,18 +74,20 @@ RUNTIME_START_FAILURES = ("The PMIx server's listener thread failed to start",)
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None, what: str = "mpirun") -> subprocess.CompletedProcess:
-    for attempt in (1, 2):
+    def launch() -> subprocess.CompletedProcess:
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                                   env={**os.environ, **(env or {})}, cwd=ROOT)
         except subprocess.TimeoutExpired as exc:
             pytest.fail(f"{what} did not finish within {timeout} s (a hung collective?): {' '.join(cmd)}\n"
                         f"{exc.stdout}\n{exc.stderr}")
-        failed_start = next((m for m in RUNTIME_START_FAILURES if m in proc.stdout + proc.stderr), None)
-        if failed_start is None or attempt == 2:
-            return proc
-        print(f"{what}: Open MPI's runtime did not start ({failed_start}); launching once more", file=sys.stderr)
-    raise AssertionError("unreachable")
+
+    proc = launch()
+    failed_start = next((m for m in RUNTIME_START_FAILURES if m in proc.stdout + proc.stderr), None)
+    if failed_start is None:
+        return proc
+    print(f"{what}: Open MPI's runtime did not start ({failed_start}); launching once more", file=sys.stderr)
+    return launch()
 
 
 def run_mpi(n: int, argv: list[str], timeout: float, *, ft: bool = True,

@@ -365,16 +365,17 @@ class Trainer:
         crc = _int32(self.opt.checksum())
         consistent = self._final_check(crc)
         self._log_events()
+        final = self._final_state()     # the lr and the scaler's state: read once, logged and summarized
         summary = {
             "steps": self.opt.step_count, "epochs": self.cfg.epochs, "samples": self.opt.samples_total,
             "world_history": self.comm.world_history, "alive": self.comm.alive,
             "test_acc": self.evaluate(), "wall_s": time.perf_counter() - t_start,
             "checksum": crc & 0xFFFFFFFF, "consistent": consistent,
             "recoveries": [ev.to_json() for ev in self.comm.events],
-            "config": asdict(self.cfg), **self._final_state(),
+            "config": asdict(self.cfg), **final,
         }
         self.log("end", **{k: summary[k] for k in ("steps", "world_history", "alive", "test_acc",
-                                                    "wall_s", "checksum", "consistent", *self._final_state())})
+                                                    "wall_s", "checksum", "consistent", *final)})
         if self.out_dir is not None:
             self._write_summary(summary)
         return summary
