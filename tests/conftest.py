@@ -122,6 +122,9 @@ def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: fl
     # One log per slot: a process that takes a slot goes on writing that slot's log.
     ends = {r: select(recs, "end")[-1] for r, recs in logs.items() if select(recs, "end")}
     assert sorted(ends) == ended, diag
+    # Training completed, whatever failed on the way: mpirun says so (a newcomer that died before it joined
+    # made it 137 before `launch` made spawned jobs recoverable).
+    assert proc.returncode == 0, f"mpirun's status {proc.returncode}\n{diag}"
     assert len({e["checksum"] for e in ends.values()}) == 1 and all(e["consistent"] for e in ends.values()), ends
     rows = audit_logs(logs)
     assert len(rows) == epochs and all(r.exact and r.finished for r in rows), rows

@@ -152,6 +152,11 @@ def _dump_stacks(sid: int, path: Path) -> None:
     """Every rank's C stacks (gdb, where installed) before a hung run is killed: where each one waits."""
     gdb = shutil.which("gdb")
     pids = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
+    # A respawned process is a fork of the host's fork server, in the server's own session: its children too.
+    servers = subprocess.run(["pgrep", "-f", f"ulfmtrain.membership.forkserver .*-{sid}@"], capture_output=True,
+                             text=True).stdout.split()
+    for server in servers:
+        pids += subprocess.run(["pgrep", "-P", server], capture_output=True, text=True).stdout.split()
     if gdb is None or not pids:
         return
     with open(path, "w") as f:

@@ -17,9 +17,9 @@ TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progre
 
 
 def train(mpi, digits_dir, out, slots: int, spares: int, epochs: int, *kills: str, env: dict | None = None,
-          ended: list[int] | None = None):
+          ended: list[int] | None = None, args: tuple[str, ...] = ()):
     """Slot 0's end record, every slot's log and mpirun's stderr (ended: the slots that end; default all)."""
-    argv = ["train", "--data", str(digits_dir), "--spares", str(spares), "--epochs", str(epochs), *TRAIN]
+    argv = ["train", "--data", str(digits_dir), "--spares", str(spares), "--epochs", str(epochs), *TRAIN, *args]
     for k in kills:
         argv += ["--kill", k]
     ends, logs, stderr = mpi.train_slots(slots + spares, argv, out, epochs, BOUND_S,
@@ -264,3 +264,20 @@ def test_a_newcomer_gets_the_stepped_schedule_and_the_updated_scaler(mpi, digits
     ends, _, _ = mpi.train_slots(3, argv, tmp_path, 2, BOUND_S, [0, 1, 2])    # one replica, every record once
     assert sizes(ends[0]["world_history"]) == [3, 2, 3], ends[0]
     assert len({json.dumps([e["lr"], e["grad_scaler"]]) for e in ends.values()}) == 1, ends
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_newcomer_that_joins_where_a_checkpoint_is_due_takes_part_in_it(mpi, digits_dir, tmp_path):
+    """A checkpoint every 2 steps: a join lands on a boundary where a save is due (a collective: the blocking
+    save's agree).  The newcomer, which starts after that step's update, took no part in it, so the survivors
+    waited in the save and the newcomer in the next step, until its step watchdog ended it (status 3, seen
+    twice in the fuzzer's seed 116).  It now takes that boundary's checkpoint decision too."""
+    end, logs, _ = train(mpi, digits_dir, tmp_path / "run", 3, 0, 2, "1@3",
+                         args=("--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2", "--step-timeout", "30"))
+    joined = respawns(logs, 0, "joined")
+    assert joined and end["world_history"] == [3, 2, 3], end
+    (newcomer,) = respawns(logs, 1, "newcomer")
+    saved = {r: [c["step"] for c in select(logs[r], "checkpoint") if c["t"] > newcomer["t"]] for r in (0, 1)}
+    assert saved[1] and saved[1] == saved[0], saved       # every save since the join, on the newcomer too
+    # The join's own boundary, where one was due here (a join at an odd step is followed by an even one).
+    assert any(s == joined[0]["step"] + 1 for s in saved[1]) or joined[0]["step"] % 2 == 0, (joined, saved)

@@ -6,7 +6,9 @@ from ulfmtrain.launching.launch import mpirun_command, mpirun_prefix
 
 def test_fault_tolerance_always_on():
     cmd = mpirun_command(2, ["train"], cores=8)
-    assert cmd[1:3] == ["--with-ft", "ulfm"] and cmd[3:5] == ["-np", "2"]
+    assert cmd[1:3] == ["--with-ft", "ulfm"] and cmd[6:8] == ["-np", "2"]
+    # Spawned jobs (respawn, reinit) recoverable too: a newcomer's death leaves mpirun's status alone.
+    assert cmd[3:6] == ["--prtemca", "state_base_recoverable", "1"]
     assert cmd[-5:] == [sys.executable, "-P", "-m", "ulfmtrain", "train"]
     assert "--oversubscribe" not in cmd
 

@@ -16,6 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
+# What fault tolerance needs of mpirun.  --with-ft ulfm makes the launched job recoverable, but not the jobs that
+# MPI_Comm_spawn starts (respawn, reinit): one of their processes killed by a signal (a newcomer that failed, or
+# gave up its join) left mpirun's status at 137 after training completed.  PRRTE's default for every job of the
+# run, spawned ones included, is this MCA parameter (Open MPI's MPI_Comm_spawn passes no such info key).
+FT_ARGS = ("--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1")
 
 
 def find_mpirun() -> str:
@@ -37,7 +42,7 @@ def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[
     failure ends (the restart baseline).
     """
     cores = cores if cores is not None else (os.cpu_count() or 1)
-    cmd = [find_mpirun(), *(["--with-ft", "ulfm"] if ft else []), "-np", str(n)]
+    cmd = [find_mpirun(), *(FT_ARGS if ft else ()), "-np", str(n)]
     if ft or hostfile:
         # han is not fault-tolerant across hosts (open-mpi/ompi #13915), and on one host it takes spawned
         # processes for another node and crashes in mca_coll_han_comm_create (respawn's join, measured here).
@@ -150,7 +155,7 @@ def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_a
     tether = [sys.executable, "-P", str(Path(__file__).parent.parent / "transport" / "tether.py")]
     plan = {"rsh": ssh_keepalive(shlex.split(rsh), keepalive), "hosts": rank_hosts(hostfile, n), "net": net,
             "keepalive": keepalive, "tether": tether, "dir": directory}
-    cmd = [find_mpirun(), "--with-ft", "ulfm", "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
+    cmd = [find_mpirun(), *FT_ARGS, "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
            "--bind-to", "none", "--prtemca", "odls_base_exec_agent", agent,
            "--prtemca", "pmix_remote_connections", "1", "--pmixmca", "ptl_tcp_if_include", net,
            "--pmixmca", "gds", "hash", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,

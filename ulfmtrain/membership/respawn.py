@@ -340,7 +340,8 @@ class RespawnComm(SpareComm):
         timer.close()
         self.world_history = info["history"] + [self.size]
         if self.slot is not None:
-            self.takeover = {"slot": self.slot, "startup": False, "root": 0}
+            # boundary: it joins at a committed step's boundary, whose checkpoint decision is still to come
+            self.takeover = {"slot": self.slot, "startup": False, "root": 0, "boundary": True}
         self.joined = {"status": "newcomer", "slots": [] if self.slot is None else [self.slot],
                        "t_start": t_start, "ready_s": t_ready - t_start, "t_joined": time.time(),
                        "world": self.size, "forked": os.environ.get(forkserver.FORKED_ENV) == "1"}

@@ -270,10 +270,15 @@ class Trainer:
         takeover = getattr(self.comm, "takeover", None)
         if takeover is not None and not takeover.get("startup"):
             self.opt.handover(receive=True)
-            if self.sampler.epoch_done():      # it joins after a step that closed an epoch, as the survivors did
+            self.epoch_ended = self.sampler.epoch_done()
+            if self.epoch_ended:               # it joins after a step that closed an epoch, as the survivors did
                 self._next_epoch()
             if self.checkpointer is not None:
                 self.checkpointer.begin(self, joining=True)
+                if takeover.get("boundary"):
+                    # A respawned process joins after the step's update: the survivors still take that step's
+                    # checkpoint decision, and a save is a collective (it stalled them when one was due).
+                    self.checkpointer.after_step(self)
         else:
             # A spare that took a slot during start-up starts it with the survivors, as a fresh trainer.
             self._awaiting_state = False
