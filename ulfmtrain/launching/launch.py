@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..membership import spawn_shim
+
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
 # What fault tolerance needs of mpirun.  --with-ft ulfm makes the launched job recoverable, but not the jobs that
 # MPI_Comm_spawn starts (respawn, reinit): one of their processes killed by a signal (a newcomer that failed, or
@@ -88,10 +90,23 @@ def program(argv: Sequence[str]) -> list[str]:
 COMMANDS = ("train",)
 
 
+def warm_start(cmd: list[str]) -> list[str]:
+    """`cmd` started as a fork of this host's running fork server, when $ULFMTRAIN_FORKSERVER_AT names one (the
+    test suite's: forkserver.py) and it runs `cmd` (`python [-P] (-m MODULE | SCRIPT)` of this interpreter):
+    each rank then skips Python's start-up and the imports of torch and ulfmtrain, 3-6 s of CPU here.  Else `cmd`."""
+    address = os.environ.get(spawn_shim.ADDRESS_ENV)
+    rest = cmd[2:] if cmd[1:2] == ["-P"] else cmd[1:]
+    serves = rest[:1] == ["-m"] and len(rest) > 1 or bool(rest) and not rest[0].startswith("-")
+    if not address or os.environ.get(spawn_shim.ENABLE_ENV) == "0" or cmd[:1] != [sys.executable] or not serves:
+        return cmd
+    return [sys.executable, "-I", "-S", spawn_shim.__file__, address, *cmd]
+
+
 def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:
     """`-x NAME` for each ULFMTRAIN_* variable set here (kills, event log, spares) and OMP_NUM_THREADS, so every
     rank sees it, on every host."""
-    named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"}
+    # (Not the fork server's address: it is this host's.)
+    named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"} | {spawn_shim.ADDRESS_ENV}
     wanted = [k for k in sorted(os.environ) if k.startswith("ULFMTRAIN_") or k == "OMP_NUM_THREADS"]
     return [w for k in wanted if k not in named for w in ("-x", k)]
 
@@ -99,8 +114,10 @@ def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:
 def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
                    mpirun_args: Sequence[str] = (), cores: int | None = None, ft: bool = True) -> list[str]:
     """Build `mpirun --with-ft ulfm -np N ... PROGRAM` (see program: `train ...` runs
-    `python -P -m ulfmtrain train ...`)."""
-    return [*mpirun_prefix(n, hostfile=hostfile, mpirun_args=mpirun_args, cores=cores, ft=ft), *program(argv)]
+    `python -P -m ulfmtrain train ...`), on one host as a fork of a running fork server if one is named
+    (warm_start)."""
+    ranks = program(argv) if hostfile else warm_start(program(argv))
+    return [*mpirun_prefix(n, hostfile=hostfile, mpirun_args=mpirun_args, cores=cores, ft=ft), *ranks]
 
 
 def read_hostfile(hostfile: str) -> list[tuple[str, int, str]]:

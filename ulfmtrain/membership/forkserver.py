@@ -28,13 +28,11 @@ import socket
 import struct
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 from ..transport import exits, lifecycle
-from .spawn_shim import ADDRESS_ENV, MAX_MESSAGE, sockaddr
+from .spawn_shim import ADDRESS_ENV, ENABLE_ENV, MAX_MESSAGE, sockaddr
 
-ENABLE_ENV = "ULFMTRAIN_FORKSERVER"        # 0: newcomers start from scratch
 FORKED_ENV = "ULFMTRAIN_FORKED"            # set in a newcomer that the server forked
 # What a newcomer imports before it says it is ready (respawn imports PRELOAD in a newcomer that started
 # without a server); the server imports _IMPORTS too.  By name: the server preloads the layers above it.
@@ -103,6 +101,18 @@ def _program(command: list[str]) -> tuple[str, str, list[str], bool]:
     return "script", rest[0], rest[1:], safe
 
 
+def _take_start_env(env: dict[str, str]) -> None:
+    """What Python and torch read from the environment at their start (in the server), read again from the
+    shim's: its PYTHONPATH, PYTHONUNBUFFERED and OMP_NUM_THREADS."""
+    sys.path[0:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    if env.get("PYTHONUNBUFFERED"):
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)      # type: ignore[union-attr]
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and threads != os.environ.get("OMP_NUM_THREADS") and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
 def _become(request: dict, fds: list[int], server: int) -> None:
     """In the forked child: take the shim's streams, environment (with the server's address, for its own
     spawns) and directory, and run its module."""
@@ -114,6 +124,7 @@ def _become(request: dict, fds: list[int], server: int) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        _take_start_env(request["env"])
         os.environ.clear()
         os.environ.update(request["env"], **{FORKED_ENV: "1"})
         exits.at_leave(drain)         # the job done: this server ends once its children have
@@ -133,9 +144,9 @@ def _become(request: dict, fds: list[int], server: int) -> None:
     except SystemExit as exc:
         code = exc.code
     except BaseException:
-        traceback.print_exc()
-        if exits.fault_tolerant():
-            exits.leave(failed=True)    # dies by SIGKILL unless every member is leaving
+        # As Python ends on an uncaught exception: the hook (exits.py's in a rank: the traceback or the SIGTERM
+        # line, once, then the exit protocol, which dies by SIGKILL unless every member is leaving).
+        sys.excepthook(*sys.exc_info())
     finally:
         try:
             atexit._run_exitfuncs()   # the bounded MPI_Finalize among them
@@ -148,8 +159,9 @@ def _become(request: dict, fds: list[int], server: int) -> None:
             os._exit(code or 0)
 
 
-def serve(address: str, watch: int) -> None:
-    """Fork a newcomer for each shim that connects, until process `watch` ends."""
+def serve(address: str, watch: int, keep: bool = False) -> None:
+    """Fork a newcomer for each shim that connects, until process `watch` ends.  keep: serve many jobs (the test
+    suite's server, `launch`'s ranks under $ULFMTRAIN_FORKSERVER_AT): a job's end (drain) does not end it."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(sockaddr(address))       # first: a shim that comes during the imports waits for them
     listener.listen(64)
@@ -166,7 +178,7 @@ def serve(address: str, watch: int) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     draining = []       # SIGUSR1 (drain()): end once no forked process is left
-    signal.signal(signal.SIGUSR1, lambda *_: draining.append(1))
+    signal.signal(signal.SIGUSR1, (lambda *_: None) if keep else (lambda *_: draining.append(1)))
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(wake_r, selectors.EVENT_READ, "reap")
@@ -266,4 +278,4 @@ def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), keep=sys.argv[3:] == ["--keep"])

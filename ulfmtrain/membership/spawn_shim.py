@@ -14,6 +14,7 @@ import socket
 import sys
 
 ADDRESS_ENV = "ULFMTRAIN_FORKSERVER_AT"    # where a newcomer's own spawns find the fork server
+ENABLE_ENV = "ULFMTRAIN_FORKSERVER"        # 0: newcomers start from scratch
 MAX_MESSAGE = 1 << 20
 
 
