@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ulfmtrain.launching.launch import mpirun_command, mpirun_prefix
+from ulfmtrain.launching.launch import mpirun_command, mpirun_prefix, warm_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,18 +65,8 @@ def warm_ranks():
             or ADDRESS_ENV in os.environ:
         yield
         return
-    address = f"@ulfmtrain-suite-{os.getpid()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-    server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", address,
-                               str(os.getpid()), "--keep"], env=env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    os.environ[ADDRESS_ENV] = address
-    try:
+    with warm_server():
         yield
-    finally:
-        del os.environ[ADDRESS_ENV]
-        server.kill()
-        server.wait()
 
 
 @pytest.fixture(scope="session")

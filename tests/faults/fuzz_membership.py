@@ -18,6 +18,7 @@ seed that reproduces it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ulfmtrain.core.events import read_rank_logs, select
-from ulfmtrain.launching.launch import mpirun_command
+from ulfmtrain.launching.launch import mpirun_command, warm_server
 from ulfmtrain.tools.audit import audit_logs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,8 +153,9 @@ def _dump_stacks(sid: int, path: Path) -> None:
     """Every rank's C stacks (gdb, where installed) before a hung run is killed: where each one waits."""
     gdb = shutil.which("gdb")
     pids = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
-    # A respawned process is a fork of the host's fork server, in the server's own session: its children too.
-    servers = subprocess.run(["pgrep", "-f", f"ulfmtrain.membership.forkserver .*-{sid}@"], capture_output=True,
+    # A rank or a respawned process that is a fork of a fork server (the job's, or the fuzzer's warm one) runs in
+    # the server's session: the servers' children too (the fuzzer runs one job at a time).
+    servers = subprocess.run(["pgrep", "-f", "ulfmtrain.membership.forkserver "], capture_output=True,
                              text=True).stdout.split()
     for server in servers:
         pids += subprocess.run(["pgrep", "-P", server], capture_output=True, text=True).stdout.split()
@@ -370,7 +372,12 @@ def main() -> int:
         print(summary(results))
         return 0 if all(r["outcome"] in GOOD for r in results) else 1
     BOUND_S = ns.bound
-    work = Path(ns.out or tempfile.mkdtemp(prefix="fuzz-membership-"))
+    with contextlib.nullcontext() if os.environ.get("ULFMTRAIN_SUITE_WARM") == "0" else warm_server():
+        return fuzz(_seeds(ns.seeds), Path(ns.out or tempfile.mkdtemp(prefix="fuzz-membership-")), ns.keep)
+
+
+def fuzz(seeds: list[int], work: Path, keep: bool) -> int:
+    """Run each seed's schedule under `work`; print a line each, then the summary; 0 when every run was right."""
     work.mkdir(parents=True, exist_ok=True)
     from ulfmtrain.data.sources import digits_to_dataset
     digits = work / "digits"
@@ -380,7 +387,7 @@ def main() -> int:
     free = FailureFree(digits, work / "free")
     results: list[dict] = []
     with open(work / "results.jsonl", "a") as res:
-        for seed in _seeds(ns.seeds):
+        for seed in seeds:
             case = draw(seed)
             v = run_case(case, digits, work / f"seed{seed}", free)
             print(f"seed {seed}: {v.report()}", flush=True)
@@ -388,7 +395,7 @@ def main() -> int:
                             "fired": v.fired, "seconds": round(v.seconds, 1), "problems": v.problems})
             res.write(json.dumps(results[-1]) + "\n")
             res.flush()
-            if not v.problems and not ns.keep:
+            if not v.problems and not keep:
                 shutil.rmtree(work / f"seed{seed}", ignore_errors=True)
     print("\n" + summary(results))
     print(f"results: {work / 'results.jsonl'}")

@@ -137,6 +137,22 @@ def test_reinit_restores_the_world_and_rolls_back(mpi, digits_dir: Path, tmp_pat
 
 
 @pytest.mark.timeout(150)
+def test_reinit_survives_a_death_during_its_rebuild(mpi, digits_dir: Path, tmp_path: Path, reference: dict) -> None:
+    """Slot 1 dies at step 35; slot 3 dies in the rebuild that follows (after the gather of the slots, before
+    the spawn).  Before, the rebuild's collectives raised on every survivor and the job stopped; now the
+    survivors repair and rebuild again, spawning for both slots, and end where a failure-free run ends."""
+    out = tmp_path / "run"
+    proc = mpi.run(RANKS, train_argv(digits_dir, out, "--kill", "1@35", "--kill", "3@0:rebuild", recovery="reinit"),
+                   RUN_S)
+    assert proc.returncode == 0, diag(proc)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_history"][-1] == 4 and summary["consistent"], summary
+    assert summary["checksum"] == reference["summary"]["checksum"]
+    reinit = [x for x in read_rank_logs(out)[0] if x["event"] == "reinit"]
+    assert len(reinit) == 1 and reinit[0]["dead"] == [1, 3] and reinit[0]["rebuilds"] == 1, reinit
+
+
+@pytest.mark.timeout(150)
 def test_resume_errors_are_clear(mpi, digits_dir: Path, tmp_path: Path, reference: dict) -> None:
     missing = tmp_path / "nowhere"
     proc = mpi.run(2, train_argv(digits_dir, tmp_path / "a", "--resume", ckpt=missing), RUN_S, ft=False)

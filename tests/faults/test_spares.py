@@ -137,10 +137,13 @@ def test_two_shrinks_after_the_spares_ran_out(mpi, digits_dir, tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode, kill", [("dies", []), ("dies", ["1@50"]), ("takes-over", ["1@30"])])
+@pytest.mark.parametrize("mode, kill", [("dies", []), ("dies", ["1@50"]), ("takes-over", ["1@30"]),
+                                        ("dies-at-start", [])])
 def test_spares_in_a_loop_of_your_own(mpi, tmp_path, mode, kill):
     """A spare that dies while it waits is noticed at the release (or at the next failure, which then
-    shrinks); a spare that takes a slot in a user's loop ends with the same replica."""
+    shrinks); a spare that takes a slot in a user's loop ends with the same replica.  A rank that dies inside
+    SpareComm's constructor (before its first collective; before, every survivor raised out of it) is repaired
+    there: the spare holds its slot from the start."""
     mpi.script(4, mpi.root / "tests" / "scripts" / "spare_loop.py", [str(tmp_path), mode, *kill], timeout=100)
     got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     shrunk = mode == "dies" and kill
@@ -150,20 +153,21 @@ def test_spares_in_a_loop_of_your_own(mpi, tmp_path, mode, kill):
     for g in got.values():
         assert g["spares_left"] == 0
         if not g["joined"]:         # the survivors' repairs: slot 1 removed (no spare left) or taken over
-            assert g["removed"] == ([[1]] if shrunk else [[]] if kill else []), g
+            assert g["removed"] == ([[1]] if shrunk else [[]] if kill or mode == "dies-at-start" else []), g
     assert (1 in got and got[1]["joined"]) == (mode == "takes-over")
 
 
 def _spare_pid(out: Path, slots: int, timeout: float = 60.0) -> int:
-    """The pid of the waiting spare: the rank process of this job that logged no start line."""
+    """The pid of the waiting spare (launch rank `slots`) once the slots have started: the process mpirun started
+    for it (the rank itself, or the shim of a rank forked by the suite's fork server, whose death takes the
+    rank with it: forkserver.py)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        logs = read_rank_logs(out)
-        started = {r["pid"] for recs in logs.values() for r in select(recs, "start")}
-        ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_rank(p, out)]
-        if len(started) == slots and len(ranks) == slots + 1:
-            (pid,) = set(ranks) - started
-            return pid
+        started = {r["pid"] for recs in read_rank_logs(out).values() for r in select(recs, "start")}
+        spare = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_rank(p, out)
+                 and _launch_rank(p) == slots]
+        if len(started) == slots and len(spare) == 1:
+            return spare[0]
         time.sleep(0.05)
     raise AssertionError(f"no waiting spare found among the ranks of {out}")
 
@@ -174,6 +178,15 @@ def _is_rank(proc: Path, out: Path) -> bool:
     except OSError:
         return False
     return b"ulfmtrain" in argv and b"train" in argv and str(out).encode() in argv and b"--with-ft" not in argv
+
+
+def _launch_rank(proc: Path) -> int | None:
+    try:
+        env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0") if b"=" in v)
+    except OSError:
+        return None
+    rank = env.get(b"OMPI_COMM_WORLD_RANK")
+    return int(rank) if rank is not None else None
 
 
 @pytest.mark.timeout(2 * BOUND_S)

@@ -1,7 +1,8 @@
 """A user's own loop with a hot spare (3 slots + 1 spare, 4 ranks) or respawn (3 ranks), under mpirun --with-ft ulfm.
 
 argv: OUT MODE [KILL].  MODE "dies": the spare SIGKILLs itself while it waits
-(a timer thread); "takes-over": it takes the slot of the rank KILL kills;
+(a timer thread); "takes-over": it takes the slot of the rank KILL kills; "dies-at-start": rank 1 is SIGKILLed
+inside SpareComm's constructor, before its first collective, and the spare takes slot 1 from the start;
 "respawn": no spare, a process spawned in the background takes it (20 epochs instead of 3).
 KILL: a kill spec for a training rank, e.g. 1@50 (75 steps in all).  Each training rank that
 ends writes OUT/rank<slot>.json: checksum, world history, recoveries, steps, samples.
@@ -21,6 +22,10 @@ from ulfmtrain.membership.spares import SpareComm
 from ulfmtrain.transport import faults
 
 out, mode = sys.argv[1], sys.argv[2]
+if mode == "dies-at-start" and os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
+    # It reads its local rank for that collective: die there.
+    import ulfmtrain.membership.spares as spares
+    spares.local_rank = lambda: os.kill(os.getpid(), signal.SIGKILL)
 # A newcomer runs this program again, without the kills.
 comm = RespawnComm(0, [sys.executable, "-P", __file__, out, mode]) if mode == "respawn" else SpareComm(1)
 if comm.is_spare:

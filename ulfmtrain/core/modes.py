@@ -98,6 +98,7 @@ class Phase(StrEnum):
     HANDOVER = "handover"      # the sender of the first hand-over to a spare or newcomer at or after STEP
     READY = "ready"            # the spawning rank SIGKILLs the first respawned process ready at or after STEP
     NEWCOMER = "newcomer"      # the processes RANK respawns at or after STEP raise an error before they are ready
+    REBUILD = "rebuild"        # reinit: in the first rebuild at or after STEP, before the spawn
 
 
 def choices(enum: type[StrEnum]) -> list[str]:

@@ -1,6 +1,7 @@
 """Start mpirun with the flags fault tolerance needs on this machine."""
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import math
@@ -12,7 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..membership import spawn_shim
@@ -100,6 +101,25 @@ def warm_start(cmd: list[str]) -> list[str]:
     if not address or os.environ.get(spawn_shim.ENABLE_ENV) == "0" or cmd[:1] != [sys.executable] or not serves:
         return cmd
     return [sys.executable, "-I", "-S", spawn_shim.__file__, address, *cmd]
+
+
+@contextlib.contextmanager
+def warm_server() -> Iterator[None]:
+    """While the block runs, a fork server for many jobs on this host, named in $ULFMTRAIN_FORKSERVER_AT: the
+    ranks that warm_start wraps, and respawned processes, start as its forks (the test suite and the membership
+    fuzzer).  It ends with the block, or with this process."""
+    address = f"@ulfmtrain-warm-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", address,
+                               str(os.getpid()), "--keep"], env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    os.environ[spawn_shim.ADDRESS_ENV] = address
+    try:
+        yield
+    finally:
+        del os.environ[spawn_shim.ADDRESS_ENV]
+        server.kill()
+        server.wait()
 
 
 def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:

@@ -11,8 +11,10 @@ processes.  Open MPI has no MPI_Reinit, so on a failure:
 3. every rank, old and new, builds a fresh trainer: it reads its whole shard
    again and rolls back to the latest good checkpoint.
 
-A failure in the middle of steps 2-3 is not survived (the job stops); a spawn
-that neither succeeds nor fails is ended by a watchdog.
+A survivor's death in the rebuild, before or after the spawn, is met by every survivor alike: they repair
+and rebuild again (rebuild_world).  A death inside the spawn or the merge, or after the merge before the
+rebuilt world's first agree, is not survived: Open MPI 5.0.x returns from neither call, and the watchdog ends
+the job (the window is the spawn's 0.1-1 s and a few milliseconds).
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 from .. import _ftcoll
-from ..transport.comm import FaultTolerantComm
+from ..core.modes import Phase
+from ..transport import faults
+from ..transport.comm import FaultTolerantComm, agree_all_ok
 from ..transport.faults import Kill, parse_kill
 from ..transport.lifecycle import env_seconds
 from ..transport.stall import Watchdog
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 
 SPAWN_TIMEOUT_ENV = "ULFMTRAIN_SPAWN_TIMEOUT"
 SPAWN_TIMEOUT_S = 60.0   # a spawn takes 1-10 s here; one that has not finished by then will not
+SPAWN_TRIES = 3          # rebuild attempts (each after a repair) before the survivors roll back alone
 
 
 class GlobalRestart(Exception):
@@ -106,33 +111,58 @@ def _world(merged: MPI.Intracomm, slot: int, target: int, history: list[int]) ->
 
 
 def rebuild_world(g: GlobalRestart, old: ReinitComm, job: TrainJob) -> tuple[ReinitComm, dict[str, Any]]:
-    """Survivors: spawn a replacement per dead slot, merge, and return the rebuilt world and its timings."""
+    """Survivors: spawn a replacement per dead slot, merge, and return the rebuilt world and its timings.
+
+    The one repair loop: a survivor that dies in the gather of the slots, before the spawn or after it fails
+    the agree that follows on every survivor alike; they repair the shrunk world (revoke, shrink) and start
+    over, spawning for every slot dead by then.  A spawn that fails with nobody dead, SPAWN_TRIES times, leaves
+    the survivors to roll back alone.  A death inside the spawn or the merge is bounded by the watchdog, not
+    survived (Open MPI 5.0.x returns from neither).
+    """
     shrunk = g.shrunk
-    slots = shrunk.allgather(old.world_rank)
-    dead = sorted(set(range(old.target)) - set(slots))
     r = g.report
     info: dict[str, Any] = {
         "wall_error": g.wall_error, "t_shrunk": g.t_shrunk, "failed_in": r["what"],
         "detect_ms": r["detect_ms"], "revoke_ms": r["revoke_ms"], "shrink_ms": r["shrink_ms"],
-        "agree_ms": r["agree_ms"], "dead": dead, "size_before": old.size, "survivors": len(slots),
-        "t_spawn": time.time(), "spawned": 0, "spawn_ok": False}
-    history = old.world_history + [shrunk.Get_size()]
-    timer = _watchdog(f"spawning {len(dead)} replacement(s)")
+        "agree_ms": r["agree_ms"], "size_before": old.size, "t_spawn": time.time(), "spawned": 0,
+        "spawn_ok": False, "rebuilds": 0}
+    timer = _watchdog("rebuilding the world")
     # Cancelled only on success: a rebuild that threw must not hang the exit either.
-    try:
-        command = spawn_command(replacement_job(job, set(dead)))
-        inter = shrunk.Spawn(command[0], command[1:], maxprocs=len(dead), root=0)
-    except MPI.Exception as exc:
-        inter, info["spawn_error"] = None, exc.Get_error_string()
-    # Every survivor must take the same branch.
-    ok = shrunk.allreduce(inter is not None, op=MPI.LAND)
-    info["t_spawned"] = time.time()
-    if not ok:
+    inter: MPI.Intercomm | None = None
+    for tries in range(1, SPAWN_TRIES + 1):
+        inter, slots, ok = None, [], True
+        try:
+            slots = shrunk.allgather(old.world_rank)
+            faults.point(old.step, Phase.REBUILD)
+        except MPI.Exception:
+            ok = False
+        # Everyone alive before the spawn: MPI_Comm_spawn over a world with a dead member never returns in
+        # Open MPI 5.0.x (its connect/accept waits for that member; the watchdog bounds it).
+        if agree_all_ok(shrunk, ok):
+            try:
+                dead = sorted(set(range(old.target)) - set(slots))
+                command = spawn_command(replacement_job(job, set(dead)))
+                inter = shrunk.Spawn(command[0], command[1:], maxprocs=len(dead), root=0)
+            except MPI.Exception as exc:
+                info["spawn_error"] = exc.Get_error_string()
+            if agree_all_ok(shrunk, inter is not None):    # every survivor alike: a spawn that went through
+                break
+        if inter is not None:
+            _ftcoll.revoke(inter)          # its replacements wait in their merge: they leave
+            inter = None
+        shrunk, rep = _ftcoll.repair(shrunk)    # whoever died meanwhile is out; a failed spawn: the same world
+        info["rebuilds"] = tries
+        for k in ("revoke_ms", "shrink_ms", "agree_ms"):
+            info[k] += rep[k]
+    slots = shrunk.allgather(old.world_rank) if inter is None else slots
+    dead = sorted(set(range(old.target)) - set(slots))
+    history = old.world_history + [shrunk.Get_size()]
+    info.update(dead=dead, survivors=len(slots), t_spawned=time.time())
+    if inter is None:
         print(f"ulfmtrain: warning: MPI_Comm_spawn failed ({info.get('spawn_error', 'on another rank')}); "
               f"rolling back on the {len(slots)} survivors", file=sys.stderr, flush=True)
         merged = shrunk
     else:
-        assert inter is not None             # every survivor's spawn succeeded
         merged = inter.Merge(high=False)     # survivors first
         info.update(spawn_ok=True, spawned=len(dead))
         merged.bcast({"slots": dead, "survivors": len(slots), "target": old.target,

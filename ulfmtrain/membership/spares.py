@@ -66,9 +66,43 @@ class SpareComm(FaultTolerantComm):
         self.handover: StateHolder | None = None   # what sends and takes the state (a DistributedOptimizer)
         self.pending_handover = False           # a respawn join: hand over after the step's update
         self.takeover: dict | None = None      # a spare that took a slot: which slot, and whether in start-up
-        self.placement: list[int] = world.allgather(local_rank())   # slot s keeps launch rank s's GPU (device.py)
-        self._setup(self._split(self.slot), -1 if self.slot is None else self.slot, list(range(self.slots)))
+        # The first collectives.  A death in them is repaired like any other (the one loop), before anything
+        # started: a spare that takes a slot here holds it from the start, with nothing to hand over.
+        t_start = MPI.Wtime()
+        try:
+            placement, comm, ok = world.allgather(local_rank()), self._split(self.slot), True
+        except MPI.Exception:
+            placement, comm, ok = [], MPI.Intracomm(MPI.COMM_NULL), False
+        self.placement: list[int] = placement   # slot s keeps launch rank s's GPU (device.py)
+        self._setup(comm, -1 if self.slot is None else self.slot, list(range(self.slots)))
         exits.arm_at_exit()
+        if not agree_all_ok(world, ok):
+            self._repair_at_start(t_start)
+
+    def _repair_at_start(self, t_start: float) -> None:
+        """A death in the constructor's collectives: repair (dead slots go to spares), then gather each slot's
+        local rank from the rank that holds it now; a death meanwhile: again."""
+        t_error = MPI.Wtime()
+        while True:
+            size_before = self.size if self.comm != MPI.COMM_NULL else self.slots
+            _ftcoll.revoke(self.world)
+            plan = self._repair_world()
+            r = plan["report"]
+            self.events.append(RecoveryEvent(
+                step=0, what="connect", committed=False, wall_error=time.time(), detect_ms=(t_error - t_start) * 1e3,
+                commit_agree_ms=0.0, revoke_ms=r["revoke_ms"], shrink_ms=r["shrink_ms"], agree_ms=r["agree_ms"],
+                shrinks=r["shrinks"], size_before=size_before, size_after=self.size, removed=plan["removed"],
+                extra={"replaced": plan["replaced"]}))
+            self.receivers.clear()          # nothing started: nothing to hand over
+            try:
+                held, ok = self.world.allgather((self.slot, local_rank())), True
+            except MPI.Exception:
+                held, ok = [], False
+            if agree_all_ok(self.world, ok):
+                break
+        # (A slot nobody holds any more keeps the host's first GPU, for a respawned process that takes it.)
+        place = {s: lr for s, lr in held if s is not None}
+        self.placement = [place.get(s, 0) for s in range(self.slots)]
 
     @property
     def is_spare(self) -> bool:
