@@ -286,3 +286,23 @@ def test_a_grad_scaler_in_your_own_script_travels_to_spares(mpi, tmp_path):
         mine = got[slot]["scales"]
         assert mine == {k: v for k, v in free[slot]["scales"].items() if k in mine}, (slot, mine)
     assert min(int(k) for k in got[1]["scales"]) == 5 and min(int(k) for k in got[0]["scales"]) == 9, got
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_spare_that_takes_the_writers_slot_inside_a_checkpoint_joins_its_next_round(mpi, digits_dir, tmp_path):
+    """Slot 0 dies half-way through writing the checkpoint of step 10 and slot 1 inside the repair that follows
+    (the fuzzer's seed 389): the spare takes slot 0 inside the save's agree.  The survivors then run the save
+    again (its writer died), and the spare, not in the save, went on training: they waited for it for good.  It
+    now joins that round and, holding slot 0, writes the checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    argv = ["train", "--data", str(digits_dir), "--spares", "1", *TRAIN, "--ckpt-dir", str(ckpt), "--ckpt-every",
+            "5", "--step-timeout", "60", "--kill", "0@10:checkpoint", "--kill", "1@5:recovery"]
+    ends, logs, _ = mpi.train_slots(SLOTS + 1, argv, tmp_path / "run", EPOCHS, BOUND_S, [0, 2])
+    assert ends[0]["world_history"] == [SLOTS, SLOTS - 1], ends
+    # Slot 0's log holds the spare's records since the takeover: it wrote step 10's checkpoint.
+    (written,) = [r for r in select(logs[0], "checkpoint") if r["step"] == 10 and r.get("ok")]
+    assert written.get("write_ms", 0) > 0, written
+    (again,) = [r for r in select(logs[2], "checkpoint") if r["step"] == 10]
+    assert again["ok"] and again.get("rewritten"), again          # the survivors' save, in a second round
+    steps = [r["step"] for r in select(logs[2], "checkpoint") if r.get("ok")]
+    assert steps == sorted(set(steps)) and steps[-1] >= 80, steps   # every later save too, each once

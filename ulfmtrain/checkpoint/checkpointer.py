@@ -59,6 +59,8 @@ class CheckpointComm(Protocol):
         """Return the AND of every rank's flag, uniformly (repairing the world if a rank died)."""
         ...
 
+    saving: bool   # inside a save: a spare that takes a slot in a repair of it joins its next round
+
 
 class TrainingState(Protocol):
     """What a Checkpointer saves and restores, and what tells it when (the Trainer implements it)."""
@@ -301,8 +303,26 @@ class Checkpointer:
         rec: dict[str, Any] = {"strategy": "blocking" if blocking else self.strategy, "initial": initial,
                                "step": self._training.step}
         comm = self._training.comm
+        comm.saving = True
+        try:
+            ok = self._save_rounds(comm, blocking, initial, rec, t0)
+        finally:
+            comm.saving = False
+        rec["stall_ms"] = (time.perf_counter() - t0) * 1e3
+        rec["ok"] = ok
+        self.saves += 1
+        self._log("checkpoint", **rec)
+
+    def join_save(self) -> None:
+        """A spare that took a slot inside the survivors' blocking save (its writer died, say): it joins the save's
+        next round, in which the lowest rank writes it again."""
+        self._save()
+
+    def _save_rounds(self, comm: CheckpointComm, blocking: bool, initial: bool, rec: dict[str, Any],
+                     t0: float) -> bool:
+        """Write (the lowest rank) and agree, again after every repair in the agree; the agreed verdict."""
         while True:
-            size, ok = comm.size, True
+            repairs, ok = len(getattr(comm, "events", ())), True
             if self._root:
                 snap = capture(self._training)
                 snap.initial = initial
@@ -318,18 +338,15 @@ class Checkpointer:
                     self._report(self._writer.finished())
                     rec["queue_ms"] = self._writer.submit(snap)
             if not blocking:
-                break
+                return ok
             # The barrier of the blocking strategy, and its uniform verdict.  A
             # rank that dies meanwhile (the writer, say) is repaired here, and
-            # the new lowest survivor writes the same checkpoint again.
+            # the new lowest rank writes the same checkpoint again, with the
+            # spare that took a slot in that repair, if any (join_save).
             ok = bool(comm.agree(1 if ok else 0))
-            if comm.size == size:
-                break
+            if len(getattr(comm, "events", ())) == repairs:
+                return ok
             rec["rewritten"] = True
-        rec["stall_ms"] = (time.perf_counter() - t0) * 1e3
-        rec["ok"] = ok
-        self.saves += 1
-        self._log("checkpoint", **rec)
 
     def _load_for_restore(self) -> tuple:
         """On the lowest rank: the latest good checkpoint, or the error every rank will raise."""

@@ -153,7 +153,7 @@ class RespawnComm(SpareComm):
     def _boundary(self) -> None:
         """After a committed step: join a ready batch, or start one (every decision here is uniform)."""
         if self._spawn is not None:
-            self._spawn.poll(self.step)  # the owner alone: what the next commit agree says of its batch
+            self._spawn.poll(self.step, alone=self.size == 1)  # the owner only: the next commit agree says it
         bits = self.agreed_bits
         # A spare that took a slot in this step is not at this boundary: it waits for the state.
         if self.pending_handover:
@@ -289,7 +289,7 @@ class RespawnComm(SpareComm):
         s, self._spawn = self._spawn, None
         if s is not None and self.slot is not None:
             # Bounded: a spawn that never completes is left to the newcomers' own watchdog.
-            s.dismiss(self.step)
+            s.dismiss(self.step, alone=self.size == 1)
             self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
         self.release_spares()
 

@@ -45,19 +45,19 @@ class Batch:
         # Ready: the newcomer has imported torch, and sent its pid (for the `ready` kill phase).
         self._pending: list[tuple[MPI.Intercomm, MPI.Request, np.ndarray]] = []
         self._ready: list[tuple[MPI.Intracomm, float]] = []   # (the owner and one newcomer, when ready)
-        # Not merged (failed ones too, not the ones given up): revoked by dismiss.
-        self._waiting: list[MPI.Intercomm] = []
         self.errors: list[str] = []
         self.stop = False
 
-    def poll(self, step: int) -> None:
+    def poll(self, step: int, alone: bool = False) -> None:
         """The owner, between steps: spawn the batch (0.1 s each), or merge with the ready ones (a few ms each).
 
         A newcomer says it is ready with a message, not an MPI_Ibarrier: of two Ibarriers on two spawns'
         intercommunicators, tested on the main thread, Open MPI 5.0.11 completed only one.  A newcomer that
         dies between that message and the end of the merge leaves the owner in MPI_Intercomm_merge for good
         (the context-id loop of respawn's join, see _join): the owner ends itself after the spawn bound, and
-        the others repair without it and respawn both.
+        the others repair without it and respawn both.  alone: the owner is the last training rank, so nobody
+        goes on without it: its bound then ends the job with status 3 rather than by SIGKILL, which mpirun would
+        count as success.
         """
         if not self._spawned and not self.stop:
             self._spawned = True
@@ -75,7 +75,6 @@ class Batch:
                     self.errors.append(f"MPI_Comm_spawn: {exc.Get_error_string()}")
                 timer.close()
             for inter in spawned:
-                self._waiting.append(inter)
                 pid = np.zeros(1, dtype=np.int64)
                 self._pending.append((inter, inter.Irecv(pid, source=0, tag=TAG), pid))
             return
@@ -90,19 +89,18 @@ class Batch:
                         req.Cancel()
                         self.errors.append(f"a newcomer was not ready within {self.ready_within:g} s of its spawn")
                         self._pending.remove(item)
-                        self._waiting.remove(inter)
                     continue
                 faults.point(step, Phase.READY, pid=int(pid[0]))
-                timer = _watchdog("merging with a ready respawned process", "the other ranks repair without "
-                                  "this one and train on", why="it died inside MPI_Intercomm_merge, and Open MPI "
-                                  "5.0.x does not return from that", survived=True)
+                timer = _watchdog("merging with a ready respawned process", "the job ends; resume it from a "
+                                  "checkpoint" if alone else "the other ranks repair without this one and train on",
+                                  why="it died inside MPI_Intercomm_merge, and Open MPI 5.0.x does not return from "
+                                  "that", survived=not alone)
                 try:
                     pool = MPI.Intracomm(inter.Merge(high=False))
                 finally:
                     timer.close()
                 pool.Set_errhandler(MPI.ERRORS_RETURN)
                 self._ready.append((pool, time.time()))
-                self._waiting.remove(inter)
             except MPI.Exception as exc:
                 self.errors.append(f"a newcomer failed before it was ready ({exc.Get_error_string()})")
             self._pending.remove(item)
@@ -127,15 +125,18 @@ class Batch:
     def times(self) -> dict[str, float]:
         return {"t_spawn": self.t_start, "spawn_s": self.t_spawned - self.t_start}
 
-    def dismiss(self, step: int) -> None:
-        """Send the ready newcomers away (END); revoke what the others wait on, so they leave too."""
+    def dismiss(self, step: int, alone: bool = False) -> None:
+        """Send the ready newcomers away (END).  The others are left to their own bound (the join watchdog):
+        one that never said it is ready may be dead, and a revoke toward a process that never connected waits
+        in PMIx_Get for good (the fuzzer's seed 323: training done, the spawning rank hung at its end)."""
         self.stop = True
-        self.poll(step)       # a newcomer that got ready since the last step waits in its merge: merge, then END
+        self.poll(step, alone)   # a newcomer that got ready since the last step waits in its merge: merge, END
         ready, self._ready = self._ready, []
         for pool, _ in ready:
             try:
                 pool.Ibcast(np.array([END, 0], dtype=np.int64), root=0).Wait()
             except MPI.Exception:
                 _ftcoll.revoke(pool)
-        for inter in self._waiting:
-            _ftcoll.revoke(inter)
+        for _, req, _ in self._pending:
+            req.Cancel()
+        self._pending.clear()

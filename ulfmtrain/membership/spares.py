@@ -141,7 +141,7 @@ class SpareComm(FaultTolerantComm):
             try:
                 # (slot or -1, waiting for the state: a rank that took a slot in a repair whose hand-over failed)
                 mine = (-1 if self.slot is None else self.slot, self.slot is not None and self.slot in self.receivers)
-                held = fresh.allgather((*mine, int(self.started)))
+                held = fresh.allgather((*mine, int(self.started), int(self.saving)))
                 slots = [h[0] for h in held]
                 dead = sorted(set(self.alive) - set(slots))    # slots removed earlier are not dead again
                 waiting = [r for r, s in enumerate(slots) if s == -1]
@@ -164,11 +164,11 @@ class SpareComm(FaultTolerantComm):
         self.world_rank = self.slot if self.slot is not None else -1
         survivors = [s for s in slots if s >= 0]
         self.alive = sorted(survivors + list(taken))
-        self.receivers = {s for s, r, _ in held if r and s in self.alive} | set(taken)
+        self.receivers = {s for s, r, _, _ in held if r and s in self.alive} | set(taken)
         self.world_history.append(self.size)
         startup = not all(h[2] for h in held if h[0] >= 0 and not h[1])
         senders = [s for s in survivors if s not in self.receivers]
-        return {"report": total, "replaced": {s: int(r) for s, r in taken.items()},
+        return {"report": total, "replaced": {s: int(r) for s, r in taken.items()}, "saving": any(h[3] for h in held),
                 "removed": sorted(set(dead) - set(taken)), "root": min(senders, default=-1), "startup": startup}
 
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
@@ -260,7 +260,8 @@ class SpareComm(FaultTolerantComm):
                 if self.slot is not None:
                     # During start-up the survivors start it over with me; later they hand me their state.
                     # (root: the comm rank that sends the state, for callers of opt.handover(root, receive=True))
-                    self.takeover = {"slot": self.slot, "startup": plan["startup"],
+                    # (save: the survivors repaired inside a checkpoint's save, whose next round it joins)
+                    self.takeover = {"slot": self.slot, "startup": plan["startup"], "save": plan["saving"],
                                      "root": self.alive.index(plan["root"]) if plan["root"] >= 0 else 0}
                     if plan["startup"]:
                         # Nothing is handed over: it starts the start-up with them (as the survivors, which

@@ -279,6 +279,8 @@ class Trainer:
                     # A respawned process joins after the step's update: the survivors still take that step's
                     # checkpoint decision, and a save is a collective (it stalled them when one was due).
                     self.checkpointer.after_step(self)
+                elif takeover.get("save"):
+                    self.checkpointer.join_save()    # a spare that took a slot inside the survivors' save
         else:
             # A spare that took a slot during start-up starts it with the survivors, as a fresh trainer.
             self._awaiting_state = False

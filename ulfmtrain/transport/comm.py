@@ -146,6 +146,7 @@ class Comm(Protocol):
     events: list[RecoveryEvent]
     step: int
     started: bool
+    saving: bool
 
     @property
     def rank(self) -> int: ...
@@ -183,6 +184,7 @@ class _CommBase:
         self.receivers: set[int] = set()   # world ranks waiting for a hand-over: never the root of a redo
         exits.register(self)        # a failure of this rank meets its peers' next agree on self.comm
         self.started = False        # the start-up (initial state, checkpoint set-up) committed on every rank
+        self.saving = False         # inside a checkpoint's blocking save (a spare taking a slot joins its next round)
 
     @property
     def rank(self) -> int:
