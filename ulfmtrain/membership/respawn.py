@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from .. import _ftcoll
 from ..core.modes import Phase
-from ..transport import exits, faults, lifecycle
+from ..transport import exits, faults
 from ..transport.comm import _fault_tolerant_dup, agree_all_ok, require_fault_tolerance, retire
 from ..transport.stall import Watchdog, die_told
 from . import forkserver
@@ -348,13 +348,14 @@ class RespawnComm(SpareComm):
 
     @staticmethod
     def _leave(timer: Watchdog | None, why: str) -> SystemExit:
-        """A newcomer that is not needed exits (0) through the bounded finalize."""
+        """A newcomer that is not needed exits (0) as the ranks do (exits.py): without MPI_Finalize under ULFM,
+        which can wait for good after a failure (its bounded form then made mpirun's status 124: seed 155)."""
         if timer is not None:
             timer.close()
         if why:
             print(f"ulfmtrain: warning: a respawned process leaves: {why}; the survivors train on",
                   file=sys.stderr, flush=True)
-        return SystemExit(lifecycle.finalize(5.0, 0))
+        return SystemExit(exits.finalize(5.0, 0))
 
 
 def attach(trainer: Trainer) -> None:
