@@ -58,11 +58,8 @@ def warm_ranks():
     """The ranks of the suite's jobs start as forks of one server that imported torch and ulfmtrain once
     (forkserver.py, as respawned processes do; launch.warm_start): 3-6 s of CPU less per rank, most of the
     suite's time on 2 cores.  Ranks of scripts started by hand (run_script) and of other hosts start from
-    scratch.  ULFMTRAIN_SUITE_WARM=0 starts every rank from scratch."""
-    from ulfmtrain.membership.spawn_shim import ADDRESS_ENV
-
-    if os.environ.get("ULFMTRAIN_SUITE_WARM") == "0" or os.environ.get("ULFMTRAIN_IN_MPIRUN") \
-            or ADDRESS_ENV in os.environ:
+    scratch.  ULFMTRAIN_FORKSERVER=0 starts every rank from scratch."""
+    if os.environ.get("ULFMTRAIN_IN_MPIRUN"):
         yield
         return
     with warm_server():

@@ -18,7 +18,6 @@ seed that reproduces it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -386,7 +385,7 @@ def main() -> int:
         print(summary(results))
         return 0 if all(r["outcome"] in GOOD for r in results) else 1
     BOUND_S = ns.bound
-    with contextlib.nullcontext() if os.environ.get("ULFMTRAIN_SUITE_WARM") == "0" else warm_server():
+    with warm_server():
         return fuzz(_seeds(ns.seeds), Path(ns.out or tempfile.mkdtemp(prefix="fuzz-membership-")), ns.keep)
 
 

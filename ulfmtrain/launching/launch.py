@@ -93,12 +93,14 @@ COMMANDS = ("train",)
 
 def warm_start(cmd: list[str]) -> list[str]:
     """`cmd` started as a fork of this host's running fork server, when $ULFMTRAIN_FORKSERVER_AT names one (the
-    test suite's: forkserver.py) and it runs `cmd` (`python [-P] (-m MODULE | SCRIPT)` of this interpreter):
-    each rank then skips Python's start-up and the imports of torch and ulfmtrain, 3-6 s of CPU here.  Else `cmd`."""
+    test suite's: forkserver.py) and it runs `cmd` (spawn_shim.served): each rank then skips Python's start-up
+    and the imports of torch and ulfmtrain, 3-6 s of CPU here.  Else `cmd`."""
     address = os.environ.get(spawn_shim.ADDRESS_ENV)
-    rest = cmd[2:] if cmd[1:2] == ["-P"] else cmd[1:]
-    serves = rest[:1] == ["-m"] and len(rest) > 1 or bool(rest) and not rest[0].startswith("-")
-    if not address or os.environ.get(spawn_shim.ENABLE_ENV) == "0" or cmd[:1] != [sys.executable] or not serves:
+    if not address or os.environ.get(spawn_shim.ENABLE_ENV) == "0":
+        return cmd
+    try:
+        spawn_shim.served(cmd)
+    except ValueError:
         return cmd
     return [sys.executable, "-I", "-S", spawn_shim.__file__, address, *cmd]
 
@@ -107,7 +109,11 @@ def warm_start(cmd: list[str]) -> list[str]:
 def warm_server() -> Iterator[None]:
     """While the block runs, a fork server for many jobs on this host, named in $ULFMTRAIN_FORKSERVER_AT: the
     ranks that warm_start wraps, and respawned processes, start as its forks (the test suite and the membership
-    fuzzer).  It ends with the block, or with this process."""
+    fuzzer).  It ends with the block, or with this process.  None is started where one is named already or
+    $ULFMTRAIN_FORKSERVER is 0 (then every rank starts from scratch)."""
+    if spawn_shim.ADDRESS_ENV in os.environ or os.environ.get(spawn_shim.ENABLE_ENV) == "0":
+        yield
+        return
     address = f"@ulfmtrain-warm-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
     server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", address,

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from ..transport import exits, lifecycle
-from .spawn_shim import ADDRESS_ENV, ENABLE_ENV, MAX_MESSAGE, sockaddr
+from .spawn_shim import ADDRESS_ENV, ENABLE_ENV, MAX_MESSAGE, served, sockaddr
 
 FORKED_ENV = "ULFMTRAIN_FORKED"            # set in a newcomer that the server forked
 # What a newcomer imports before it says it is ready (respawn imports PRELOAD in a newcomer that started
@@ -87,20 +87,6 @@ def drain() -> None:
             os.kill(pid, signal.SIGUSR1)
 
 
-def _program(command: list[str]) -> tuple[str, str, list[str], bool]:
-    """("module" or "script", its name, its arguments, -P) of `python [-P] (-m MODULE | SCRIPT) ARGS` run by
-    this interpreter; ValueError for any other command."""
-    safe = command[1:2] == ["-P"]
-    rest = command[1 + safe:]
-    module = rest[:1] == ["-m"] and len(rest) >= 2
-    if command[:1] != [sys.executable] or not (module or rest and not rest[0].startswith("-")):
-        raise ValueError(f"the fork server runs only `{sys.executable} [-P] (-m MODULE | SCRIPT) ...`, "
-                         f"not {command[:4]}")
-    if module:
-        return "module", rest[1], rest[2:], safe
-    return "script", rest[0], rest[1:], safe
-
-
 def _take_start_env(env: dict[str, str]) -> None:
     """What Python and torch read from the environment at their start (in the server), read again from the
     shim's: its PYTHONPATH, PYTHONUNBUFFERED and OMP_NUM_THREADS."""
@@ -129,7 +115,7 @@ def _become(request: dict, fds: list[int], server: int) -> None:
         os.environ.update(request["env"], **{FORKED_ENV: "1"})
         exits.at_leave(drain)         # the job done: this server ends once its children have
         os.chdir(request["cwd"])
-        kind, name, args, safe = _program(request["command"])
+        kind, name, args, safe = served(request["command"])
         sys.argv = [name, *args]
         if not safe:                  # what Python puts first on the path without -P
             sys.path.insert(0, os.getcwd() if kind == "module" else os.path.dirname(os.path.abspath(name)))
@@ -246,7 +232,7 @@ def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
         data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
         request = json.loads(data)
         if not error:
-            _program(request["command"])
+            served(request["command"])
     except (OSError, ValueError, KeyError) as exc:
         error = error or str(exc)
     if error or len(fds) != 3:

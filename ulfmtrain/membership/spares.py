@@ -86,13 +86,8 @@ class SpareComm(FaultTolerantComm):
         while True:
             size_before = self.size if self.comm != MPI.COMM_NULL else self.slots
             _ftcoll.revoke(self.world)
-            plan = self._repair_world()
-            r = plan["report"]
-            self.events.append(RecoveryEvent(
-                step=0, what="connect", committed=False, wall_error=time.time(), detect_ms=(t_error - t_start) * 1e3,
-                commit_agree_ms=0.0, revoke_ms=r["revoke_ms"], shrink_ms=r["shrink_ms"], agree_ms=r["agree_ms"],
-                shrinks=r["shrinks"], size_before=size_before, size_after=self.size, removed=plan["removed"],
-                extra={"replaced": plan["replaced"]}))
+            self.events.append(self._event(self._repair_world(), "connect", False, time.time(),
+                                           (t_error - t_start) * 1e3, 0.0, size_before))
             self.receivers.clear()          # nothing started: nothing to hand over
             try:
                 held, ok = self.world.allgather((self.slot, local_rank())), True
@@ -182,12 +177,7 @@ class SpareComm(FaultTolerantComm):
             size_before, wall_error = self.size, time.time() - (MPI.Wtime() - t_error)
             _ftcoll.revoke(self.world)          # wakes the waiting spares
             plan = self._repair_world()
-            r = plan["report"]
-            event = RecoveryEvent(
-                step=self.step, what=what, committed=committed, wall_error=wall_error,
-                detect_ms=(t_error - t_start) * 1e3, commit_agree_ms=agree_ms, revoke_ms=r["revoke_ms"],
-                shrink_ms=r["shrink_ms"], agree_ms=r["agree_ms"], shrinks=r["shrinks"], size_before=size_before,
-                size_after=self.size, removed=plan["removed"], extra={"replaced": plan["replaced"]})
+            event = self._event(plan, what, committed, wall_error, (t_error - t_start) * 1e3, agree_ms, size_before)
             self.events.append(event)
             for fn in self._listeners:
                 fn(event)
@@ -204,6 +194,16 @@ class SpareComm(FaultTolerantComm):
                 return
             what, committed, t_start = "handover", True, MPI.Wtime()
             t_error, agree_ms = t_start, 0.0
+
+    def _event(self, plan: dict, what: str, committed: bool, wall_error: float, detect_ms: float,
+               commit_agree_ms: float, size_before: int) -> RecoveryEvent:
+        """The record of one repair of the world (plan: _repair_world's)."""
+        r = plan["report"]
+        return RecoveryEvent(
+            step=self.step, what=what, committed=committed, wall_error=wall_error, detect_ms=detect_ms,
+            commit_agree_ms=commit_agree_ms, revoke_ms=r["revoke_ms"], shrink_ms=r["shrink_ms"],
+            agree_ms=r["agree_ms"], shrinks=r["shrinks"], size_before=size_before, size_after=self.size,
+            removed=plan["removed"], extra={"replaced": plan["replaced"]})
 
     # -- the hand-over: one attempt, inside the repair loop -------------------------
     def _hand_over_once(self, attempt: int) -> bool:

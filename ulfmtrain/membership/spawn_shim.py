@@ -18,6 +18,20 @@ ENABLE_ENV = "ULFMTRAIN_FORKSERVER"        # 0: newcomers start from scratch
 MAX_MESSAGE = 1 << 20
 
 
+def served(command: list[str]) -> tuple[str, str, list[str], bool]:
+    """("module" or "script", its name, its arguments, -P) of `python [-P] (-m MODULE | SCRIPT) ARGS` run by
+    this interpreter, what a fork server runs; ValueError for any other command."""
+    safe = command[1:2] == ["-P"]
+    rest = command[1 + safe:]
+    module = rest[:1] == ["-m"] and len(rest) >= 2
+    if command[:1] != [sys.executable] or not (module or rest and not rest[0].startswith("-")):
+        raise ValueError(f"the fork server runs only `{sys.executable} [-P] (-m MODULE | SCRIPT) ...`, "
+                         f"not {command[:4]}")
+    if module:
+        return "module", rest[1], rest[2:], safe
+    return "script", rest[0], rest[1:], safe
+
+
 def sockaddr(address: str) -> str:
     """The socket address of `address`: "@NAME" is NAME in the abstract namespace (a NUL cannot be an argument)."""
     return "\0" + address[1:] if address.startswith("@") else address
