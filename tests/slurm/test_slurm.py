@@ -1,0 +1,272 @@
+"""ulfmtrain under a real Slurm (slurmctld, one slurmd per namespace host; conftest.py builds it): jobs
+submitted with sbatch and salloc train inside their allocation, survive a rank and a node lost, relaunch
+with supervise, and stop when cancelled.
+
+Each test prints its figures (detection times: docs/node-loss.md, "Slurm").  `make test-slurm` runs them.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ulfmtrain.core.events import read_rank_logs
+
+pytestmark = [pytest.mark.slurm, pytest.mark.faults, pytest.mark.timeout(300)]
+KEEPALIVE = 3.0                       # the keep-alive bound the agent launches use (as test_multihost.py)
+ULFM = [sys.executable, "-P", "-m", "ulfmtrain"]
+
+
+def train(digits_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--data", str(digits_dir), "--out", str(out), "--model", "mlp", "--no-progress", *extra]
+
+
+def batch_script(cluster, *cmd: str) -> str:
+    """A batch script that runs cmd and records its exit status (the job may outlive it: a dead node's steps)."""
+    return (f"#!/bin/sh\n{shlex.join(cmd)}\necho $? > {cluster.root}/status\n")
+
+
+def status(cluster) -> int | None:
+    path = cluster.root / "status"
+    return int(path.read_text()) if path.exists() and path.read_text().strip() else None
+
+
+def steps_of(out: Path, rank: int) -> int:
+    logs = read_rank_logs(out) if out.exists() else {}
+    return sum(x["event"] == "step" for x in logs.get(rank, []))
+
+
+def wait_for(cond, timeout: float) -> bool:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def diag(cluster) -> str:
+    """The job's output and the Slurm daemons' last lines, for assertion messages."""
+    parts = []
+    for name in ["job.out", "slurmctld.log", *(f"slurmd-{n}.log" for n in cluster.nodes)]:
+        p = cluster.root / name
+        if p.exists():
+            parts.append(f"--- {name}\n{p.read_text()[-2500:]}")
+    return "\n".join(parts)
+
+
+def starts(logs: dict) -> dict[int, str]:
+    return {r: next(x for x in recs if x["event"] == "start")["host"] for r, recs in logs.items()}
+
+
+def check_survivors(logs: dict, survivors: list[int], history: list[int]) -> dict:
+    """The survivors finished with the given world history and one replica; return the lowest one's end."""
+    ends = {r: [x for x in recs if x["event"] == "end"] for r, recs in logs.items()}
+    assert sorted(r for r, e in ends.items() if e) == survivors
+    for r in survivors:
+        assert ends[r][0]["world_history"] == history and ends[r][0]["consistent"], ends[r][0]
+    assert len({ends[r][0]["checksum"] for r in survivors}) == 1
+    return ends[survivors[0]][0]
+
+
+def audit_ok(out: Path) -> None:
+    proc = subprocess.run([*ULFM, "audit", str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "every record exactly once per epoch" in proc.stdout, proc.stdout + proc.stderr
+
+
+def detected(logs: dict, rank: int, t_fault: float) -> float:
+    """Seconds from the fault to the moment the survivor learned of it (its failed attempt, or the commit agree)."""
+    rec = next(x for x in logs[rank] if x["event"] == "recovery")
+    return rec["wall_error"] + rec["commit_agree_ms"] / 1e3 - t_fault
+
+
+def no_job_left(cluster, timeout: float, nodes=None) -> dict[str, list[str]]:
+    """Wait until no process of a job is left on the nodes (and the login node); return what is left."""
+    left: dict[str, list[str]] = {}
+
+    def gone() -> bool:
+        nonlocal left
+        left = cluster.job_processes(nodes)
+        return not left
+    wait_for(gone, timeout)
+    return left
+
+
+def netns_agent(cluster) -> Path:
+    """The namespace agent of test_multihost.py for the Slurm nodes: `AGENT NODE CMD` runs CMD on NODE
+    without Slurm (ip netns exec), for detection times next to `--agent slurm` on the same hosts."""
+    agent = cluster.root / "netns-agent.sh"
+    cases = "\n".join(f"  {n}) ;;" for n in cluster.nodes)
+    agent.write_text(f'#!/bin/sh\nhost=$1; shift\ncase "$host" in\n{cases}\n  *) exit 1;;\nesac\n'
+                     'exec setsid ip netns exec $host unshare --uts sh -c "hostname $host; $*"'
+                     f' 2>>{cluster.root}/$host.err\n')
+    agent.chmod(0o755)
+    return agent
+
+
+def agent_launch(cluster, agent: str, *rest: str) -> list[str]:
+    which = "slurm" if agent == "slurm" else str(netns_agent(cluster))
+    return [*ULFM, "launch", "--agent", which, "--net", f"{cluster.subnet}.0/24", "--keepalive", str(KEEPALIVE),
+            *rest]
+
+
+# -- inside the allocation -----------------------------------------------------
+def test_launch_takes_the_allocation_and_a_spare_takes_a_killed_ranks_slot(slurm_cluster, digits_dir):
+    """sbatch -N2 --ntasks-per-node=2: `launch --spares 1` with no -n runs 3 training ranks and a spare on the
+    allocation's 4 slots (mpirun's own Slurm launcher starts its daemon on the second node with srun); rank 1
+    is SIGKILLed, the spare takes its slot, and every record is seen once per epoch."""
+    c = slurm_cluster
+    out = c.root / "out"
+    job = c.sbatch(batch_script(c, *ULFM, "launch", "--spares", "1", "--",
+                                *train(digits_dir, out, "--epochs", "3", "--audit", "--kill", "1@30")),
+                   "-N2", "--ntasks-per-node=2", "--no-kill", "-o", str(c.root / "job.out"))
+    info = c.wait_job(job, 200)
+    assert info["JobState"] == "COMPLETED" and status(c) == 0, (info, diag(c))
+    logs = read_rank_logs(out)                # one log per slot (a training rank's place)
+    n1, n2 = c.nodes
+    hosts = {r: [x["host"] for x in recs if x["event"] == "start"] for r, recs in logs.items()}
+    # Slot 1 began on node 1, then the spare (the 4th rank, on the allocation's last slot: node 2) took it.
+    assert hosts == {0: [n1], 1: [n1, n2], 2: [n2]}, diag(c)
+    end = check_survivors(logs, [0, 1, 2], [3, 3])
+    assert end["alive"] == [0, 1, 2]
+    audit_ok(out)
+    assert not no_job_left(c, 10)
+
+
+# -- node loss with --agent slurm (and the namespace agent, for its detection times) --------------------------
+@pytest.mark.parametrize("agent", ["slurm", "netns"])
+def test_agent_launch_survives_a_nodes_slurmd_and_ranks_killed(slurm_cluster, digits_dir, agent):
+    """Every process of node 2 (its slurmd, its job steps, its ranks) SIGKILLed mid-training: node 1's
+    ranks train on with one replica and an exact audit, and the batch script ends 0."""
+    c = slurm_cluster
+    n1, n2 = c.nodes
+    out = c.root / "out"
+    job = c.sbatch(batch_script(c, *agent_launch(c, agent, "--", *train(digits_dir, out, "--epochs", "6",
+                                                                         "--audit"))),
+                   "-N2", "--ntasks-per-node=2", "--no-kill", "-o", str(c.root / "job.out"))
+    assert wait_for(lambda: steps_of(out, 0) >= 30, 150), "training never reached step 30: " + diag(c)
+    t_kill = time.time()
+    c.kill_node(n2)
+    assert wait_for(lambda: status(c) is not None, 150), diag(c)
+    assert status(c) == 0, diag(c)
+    logs = read_rank_logs(out)
+    assert starts(logs) == {0: n1, 1: n1, 2: n2, 3: n2}, diag(c)
+    check_survivors(logs, [0, 1], [4, 2])
+    audit_ok(out)
+    assert c.job(job)["JobState"] in ("COMPLETING", "COMPLETED", "RUNNING"), "Slurm ended the job: no --no-kill?"
+    assert not no_job_left(c, 15, [n1]), "a process of the job outlived it on node 1"
+    print(f"\n{agent} agent, node {n2} killed (slurmd and ranks): detected "
+          f"{detected(logs, 0, t_kill):.2f} s after the kill")
+
+
+@pytest.mark.parametrize("agent", ["slurm", "netns"])
+def test_agent_launch_survives_a_cut_link(slurm_cluster, digits_dir, agent):
+    """Node 2's link cut (`ip link set DEV down`): node 1's ranks go on after the keep-alive bound; node 2's
+    ranks stop with one line each (their tethers lose the head) and leave nothing running there."""
+    c = slurm_cluster
+    n1, n2 = c.nodes
+    out = c.root / "out"
+    c.sbatch(batch_script(c, *agent_launch(c, agent, "--", *train(digits_dir, out, "--epochs", "6", "--audit"))),
+             "-N2", "--ntasks-per-node=2", "--no-kill", "-o", str(c.root / "job.out"))
+    assert wait_for(lambda: steps_of(out, 0) >= 30, 150), "training never reached step 30: " + diag(c)
+    t_cut = time.time()
+    c.cut_link(n2)
+    assert wait_for(lambda: status(c) is not None, 150), diag(c)
+    assert status(c) == 0, diag(c)
+    logs = read_rank_logs(out)
+    check_survivors(logs, [0, 1], [4, 2])
+    audit_ok(out)
+    took = detected(logs, 0, t_cut)
+    assert KEEPALIVE * 2 / 3 - 0.2 <= took <= KEEPALIVE + 3, (took, diag(c))    # only the keep-alive tells
+    left = no_job_left(c, 2 * KEEPALIVE + 10, [n2])
+    assert not any("python" in p for procs in left.values() for p in procs), left
+    print(f"\n{agent} agent, link of node {n2} cut (keep-alive {KEEPALIVE:g} s): detected {took:.2f} s after the cut")
+
+
+# -- supervise inside the allocation ----------------------------------------------
+def test_supervise_relaunches_on_the_live_nodes_after_a_node_loss(slurm_cluster, digits_dir):
+    """supervise in an sbatch job (no -n, no hostfile: the allocation's 4 slots); node 2 killed past a
+    checkpoint ends the attempt (a PRRTE daemon lost); supervise finds node 2's slurmd gone, leaves it out,
+    and resumes from the checkpoint with 2 ranks on node 1."""
+    c = slurm_cluster
+    n1, n2 = c.nodes
+    out, ckpt = c.root / "out", c.root / "ckpt"
+    job = c.sbatch(batch_script(c, *ULFM, "supervise", "--max-attempts", "3", "--timeout", "150", "--",
+                                *train(digits_dir, out, "--epochs", "6", "--recovery", "shrink", "--ckpt-dir",
+                                       str(ckpt), "--ckpt-every", "20")),
+                   "-N2", "--ntasks-per-node=2", "--no-kill", "-o", str(c.root / "job.out"))
+    first = out / "attempt-1"
+    assert wait_for(lambda: steps_of(first, 0) >= 45, 150), "training never reached step 45: " + diag(c)
+    t_kill = time.time()
+    c.kill_node(n2)
+    assert wait_for(lambda: status(c) is not None, 200), diag(c)
+    assert status(c) == 0, diag(c)
+    sup = json.loads((out / "supervisor.json").read_text())
+    assert [x["ranks"] for x in sup["attempts"]] == [4, 2] and sup["completed"], sup
+    joblog = (c.root / "job.out").read_text()
+    assert f"hosts down, left out: {n2}" in joblog, diag(c)
+    assert starts(read_rank_logs(first)) == {0: n1, 1: n1, 2: n2, 3: n2}
+    logs = read_rank_logs(out / "attempt-2")
+    assert set(starts(logs).values()) == {n1}
+    resume = next(x for x in logs[0] if x["event"] == "resume")
+    written = [x["step"] for x in read_rank_logs(first)[0] if x["event"] == "checkpoint_written"]
+    assert resume["step"] >= 40 and resume["step"] in written, (resume, written)
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 6
+    assert c.job(job)["JobState"] in ("COMPLETING", "COMPLETED", "RUNNING")
+    second = sup["attempts"][1]
+    first_step = next(x for x in logs[0] if x["event"] == "step")["t"]
+    print(f"\nsupervise, node {n2} killed: attempt 1 ended {sup['attempts'][0]['t_exit'] - t_kill:.2f} s after, "
+          f"probe {second['t_launch'] - sup['attempts'][0]['t_exit']:.2f} s, relaunch to the first step "
+          f"{first_step - second['t_launch']:.2f} s")
+
+
+# -- stopping ------------------------------------------------------------------------
+def test_scancel_stops_every_process_of_the_job(slurm_cluster, digits_dir):
+    """scancel of an sbatch job running `launch --agent slurm`: within seconds nothing of it runs on any node
+    or on the login node, and Slurm records it CANCELLED."""
+    c = slurm_cluster
+    out = c.root / "out"
+    job = c.sbatch(batch_script(c, *agent_launch(c, "slurm", "--", *train(digits_dir, out, "--epochs", "20"))),
+                   "-N2", "--ntasks-per-node=2", "--no-kill", "-o", str(c.root / "job.out"))
+    assert wait_for(lambda: steps_of(out, 0) >= 20, 150), "training never reached step 20: " + diag(c)
+    t0 = time.monotonic()
+    c.run("scancel", job)
+    left = no_job_left(c, 30)
+    took = time.monotonic() - t0
+    assert not left, left
+    info = c.wait_job(job, 30)
+    assert info["JobState"] == "CANCELLED", info
+    assert not any(x["event"] == "end" for recs in read_rank_logs(out).values() for x in recs)
+    print(f"\nscancel: every process of the job gone {took:.1f} s after it")
+
+
+def test_ctrl_c_on_salloc_stops_every_process(slurm_cluster, digits_dir):
+    """`salloc ... launch --agent slurm` in the foreground of a terminal, then Ctrl-C (SIGINT to its process
+    group): within seconds nothing of the job runs anywhere, the allocation is released, and salloc's status
+    says the command was interrupted."""
+    c = slurm_cluster
+    out = c.root / "out"
+    cmd = ["salloc", "-N2", "--ntasks-per-node=2", "--no-kill", *agent_launch(c, "slurm", "--",
+                                                                              *train(digits_dir, out, "--epochs", "20"))]
+    proc = c.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=c.root)
+    try:
+        assert wait_for(lambda: steps_of(out, 0) >= 20, 150), "training never reached step 20: " + diag(c)
+        t0 = time.monotonic()
+        import os
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = no_job_left(c, 30)
+    took = time.monotonic() - t0
+    assert not left, (left, output[-3000:])
+    assert proc.returncode == 130, (proc.returncode, output[-3000:])
+    assert not c.run("squeue", "-h").stdout.strip(), "the allocation is still held"
+    print(f"\nCtrl-C on salloc: status {proc.returncode}, every process gone {took:.1f} s after it")
