@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +23,15 @@ import pytest
 
 SUBNET = "10.214.0"                   # the bridge's network; test_multihost.py uses 10.213.0
 LOGIN_ADDR = f"{SUBNET}.254"          # the login node: slurmctld, sbatch, salloc
-DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd", "sbatch", "srun", "scontrol", "ip", "unshare", "nsenter", "setpriv")
+NEEDED = ("munged", "slurmctld", "slurmd", "slurmstepd", "sbatch", "salloc", "srun", "scontrol", "ip", "unshare",
+          "nsenter")
 
 
 def missing() -> str | None:
     """Why Slurm cannot run here, or None."""
     if os.geteuid() != 0:
         return "Slurm's test cluster needs root (network namespaces, slurmd)"
-    gone = [d for d in DAEMONS if not shutil.which(d)]
+    gone = [d for d in NEEDED if not shutil.which(d)]
     if gone:
         return f"{', '.join(gone)} not installed (`make test-slurm` installs Slurm and munge with apt-get)"
     return None
@@ -89,22 +89,21 @@ class Cluster:
 
     # -- building and tearing down -------------------------------------------
     def build(self) -> None:
-        ip = ["ip", "netns", "add"]
-        subprocess.run([*ip, self.login], check=True, capture_output=True, timeout=30)
+        """The namespaces (the login node's made already), munged, slurmctld and the slurmds; nodes idle."""
         sh("ip", "link", "add", "br0", "type", "bridge", ns=self.login)
         sh("ip", "addr", "add", f"{LOGIN_ADDR}/24", "dev", "br0", ns=self.login)
         sh("ip", "link", "set", "br0", "up", ns=self.login)
         sh("ip", "link", "set", "lo", "up", ns=self.login)
-        for i, (node, addr) in enumerate(self.nodes.items()):
-            subprocess.run([*ip, node], check=True, capture_output=True, timeout=30)
-            veth, peer = f"v{node}", f"p{node}"[:15]
-            sh("ip", "link", "add", veth[:15], "type", "veth", "peer", "name", peer)
-            sh("ip", "link", "set", veth[:15], "netns", node)
+        for node, addr in self.nodes.items():
+            sh("ip", "netns", "add", node)
+            veth, peer = f"v{node}", f"p{node}"      # 10 characters: interface names hold 15
+            sh("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+            sh("ip", "link", "set", veth, "netns", node)
             sh("ip", "link", "set", peer, "netns", self.login)
             sh("ip", "link", "set", peer, "master", "br0", ns=self.login)
             sh("ip", "link", "set", peer, "up", ns=self.login)
-            sh("ip", "addr", "add", f"{addr}/24", "dev", veth[:15], ns=node)
-            sh("ip", "link", "set", veth[:15], "up", ns=node)
+            sh("ip", "addr", "add", f"{addr}/24", "dev", veth, ns=node)
+            sh("ip", "link", "set", veth, "up", ns=node)
             sh("ip", "link", "set", "lo", "up", ns=node)
         hosts = f"127.0.0.1 localhost\n{LOGIN_ADDR} {self.login}\n" + "".join(
             f"{a} {n}\n" for n, a in self.nodes.items())
@@ -197,10 +196,11 @@ InactiveLimit=0
         shutil.rmtree(self.state, ignore_errors=True)
 
     # -- using it --------------------------------------------------------------
-    def run(self, *cmd: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-        """A command on the login node (sbatch, scontrol, scancel, ...)."""
-        return subprocess.run(["ip", "netns", "exec", self.login, *cmd], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, check=check)
+    def run(self, *cmd: str, timeout: float = 60, check: bool = True,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """A command on the login node (sbatch, scontrol, scancel, ...), with env added to the environment."""
+        return subprocess.run(["ip", "netns", "exec", self.login, *cmd], env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=timeout, check=check)
 
     def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
         """A process on the login node (salloc, a launch there), in a session of its own."""
@@ -225,11 +225,14 @@ InactiveLimit=0
         raise RuntimeError(f"Slurm's nodes never came up idle within {timeout:g} s: {states}; "
                            f"see {self.root}/slurmctld.log")
 
-    def sbatch(self, script: str, *opts: str) -> str:
-        """Submit a batch script (its text); return the job id."""
-        path = self.root / f"job-{len(list(self.root.glob('job-*.sh')))}.sh"
-        path.write_text(script)
-        return self.run("sbatch", "--parsable", f"--chdir={self.root}", *opts, str(path)).stdout.strip().split(";")[0]
+    def sbatch(self, script: str | Path, *opts: str, env: dict[str, str] | None = None) -> str:
+        """Submit a batch script (its text, or a file) with sbatch's options and env; return the job id."""
+        if isinstance(script, str):
+            path = self.root / f"job-{len(list(self.root.glob('job-*.sh')))}.sh"
+            path.write_text(script)
+            script = path
+        out = self.run("sbatch", "--parsable", f"--chdir={self.root}", *opts, str(script), env=env).stdout
+        return out.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, ExitCode, NodeList, ...)."""
@@ -282,14 +285,10 @@ def slurm_cluster(tmp_path: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path, 2)
     try:
         try:
-            subprocess.run(["ip", "netns", "add", "ulfmprobe%d" % os.getpid()], check=True, capture_output=True)
-            subprocess.run(["ip", "netns", "del", "ulfmprobe%d" % os.getpid()], capture_output=True)
+            subprocess.run(["ip", "netns", "add", cluster.login], check=True, capture_output=True, timeout=30)
         except subprocess.CalledProcessError as exc:
             pytest.skip(f"no Slurm here: cannot create network namespaces ({exc.stderr.decode().strip()})")
         cluster.build()
         yield cluster
     finally:
         cluster.teardown()
-
-
-PYTHON = sys.executable

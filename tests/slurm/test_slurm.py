@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -60,7 +59,8 @@ def wait_for(cond, timeout: float) -> bool:
 def diag(cluster) -> str:
     """The job's output and the Slurm daemons' last lines, for assertion messages."""
     parts = []
-    for name in ["job.out", "slurmctld.log", *(f"slurmd-{n}.log" for n in cluster.nodes)]:
+    logs = [p.name for p in cluster.root.glob("ulfmtrain-*.out")]        # the example script's output
+    for name in ["job.out", *logs, "slurmctld.log", *(f"slurmd-{n}.log" for n in cluster.nodes)]:
         p = cluster.root / name
         if p.exists():
             parts.append(f"--- {name}\n{p.read_text()[-2500:]}")
@@ -234,13 +234,19 @@ def test_supervise_relaunches_on_the_live_nodes_after_a_node_loss(slurm_cluster,
 
 # -- stopping ------------------------------------------------------------------------
 def test_scancel_stops_every_process_of_the_job(slurm_cluster, digits_dir):
-    """scancel of an sbatch job running `launch --agent slurm`: within seconds nothing of it runs on any node
-    or on the login node, and Slurm records it CANCELLED."""
+    """The example batch script (examples/slurm/train.sbatch, as a user submits it, on 2 nodes of 2 tasks):
+    it trains on the allocation's slots with a spare; scancel then stops it: within seconds nothing of it
+    runs on any node or on the login node, and Slurm records it CANCELLED."""
     c = slurm_cluster
     out = c.root / "out"
-    job = c.sbatch(batch_script(c, *agent_launch(c, "slurm", "--", *train(digits_dir, out, "--epochs", "20"))),
-                   "-N2", "--ntasks-per-node=2", "--no-kill", "-o", str(c.root / "job.out"))
-    assert training_reached(c, out, 20), "training never reached step 20: " + diag(c)
+    script = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train.sbatch"
+    env = {"PYTHON": sys.executable, "DATA": str(digits_dir), "OUT": str(out), "NET": f"{c.subnet}.0/24",
+           "TRAIN_ARGS": "--model mlp"}
+    job = c.sbatch(script, "-N2", "--ntasks-per-node=2", env=env)
+    assert wait_for(lambda: steps_of(out, 0) >= 20, 150), "training never reached step 20: " + diag(c)
+    logs = read_rank_logs(out)
+    assert sorted(logs) == [0, 1, 2] and set(starts(logs).values()) == set(c.nodes), diag(c)   # and a spare
+    assert (c.root / f"ulfmtrain-{job}.out").exists()      # where the script says the output goes
     t0 = time.monotonic()
     c.run("scancel", job)
     left = no_job_left(c, 30)
