@@ -145,6 +145,32 @@ def test_launch_takes_the_allocation_and_a_spare_takes_a_killed_ranks_slot(slurm
     assert not no_job_left(c, 10)
 
 
+# -- what the design relies on: Slurm's --no-kill ---------------------------------------------
+@pytest.mark.parametrize("no_kill", [True, False])
+def test_a_failed_node_ends_the_job_unless_it_was_allocated_no_kill(slurm_cluster, no_kill):
+    """Two one-task steps (one per node, as --agent slurm starts ranks) and node 2 marked down: with --no-kill
+    only node 2's step ends and the job runs on; without it Slurm ends the whole job (why the example scripts
+    and docs allocate with --no-kill)."""
+    c = slurm_cluster
+    n1, n2 = c.nodes
+    steps = " & ".join(f"srun --overlap -N1 -n1 -w {n} --no-kill --mpi=none sh -c 'echo up > {c.root}/{n}; "
+                       f"sleep 120'" for n in (n1, n2))
+    job = c.sbatch(f"#!/bin/sh\n{steps}\nwait\n", "-N2", *(["--no-kill"] if no_kill else []),
+                   "-o", str(c.root / "job.out"))
+    assert wait_for(lambda: all((c.root / n).exists() for n in c.nodes), 60), diag(c)
+    c.run("scontrol", "update", f"nodename={n2}", "state=down", "reason=failed in the test")
+    time.sleep(3)
+    info = c.job(job)
+    if no_kill:
+        assert info["JobState"] == "RUNNING", info
+        assert any("sleep 120" in p for p in c.job_processes([n1]).get(n1, [])), "node 1's step was ended"
+        c.run("scancel", job)
+    else:
+        assert info["JobState"] in ("NODE_FAIL", "CANCELLED", "FAILED", "PENDING", "REQUEUED"), info
+        left = no_job_left(c, 15, [n1])
+        assert not any("sleep 120" in p for procs in left.values() for p in procs), left
+
+
 # -- node loss with --agent slurm (and the namespace agent, for its detection times) --------------------------
 @pytest.mark.parametrize("agent", ["slurm", "netns"])
 def test_agent_launch_survives_a_nodes_slurmd_and_ranks_killed(slurm_cluster, digits_dir, agent):
@@ -159,13 +185,17 @@ def test_agent_launch_survives_a_nodes_slurmd_and_ranks_killed(slurm_cluster, di
     assert training_reached(c, out, 30), "training never reached step 30: " + diag(c)
     t_kill = time.time()
     c.kill_node(n2)
+    # Slurm learns of it too (here at once, as a node health check would say; else after SlurmdTimeout): the
+    # job, allocated with --no-kill, is not ended with the node.
+    c.run("scontrol", "update", f"nodename={n2}", "state=down", "reason=killed by the test")
     assert wait_for(lambda: status(c) is not None, 150), diag(c)
     assert status(c) == 0, diag(c)
     logs = read_rank_logs(out)
     assert starts(logs) == {0: n1, 1: n1, 2: n2, 3: n2}, diag(c)
     check_survivors(logs, [0, 1], [4, 2])
     audit_ok(out)
-    assert c.job(job)["JobState"] in ("COMPLETING", "COMPLETED", "RUNNING"), "Slurm ended the job: no --no-kill?"
+    assert c.job(job)["JobState"] in ("COMPLETING", "COMPLETED"), c.job(job)
+    assert c.node_states()[n2].startswith("down"), c.node_states()
     assert not no_job_left(c, 15, [n1]), "a process of the job outlived it on node 1"
     print(f"\n{agent} agent, node {n2} killed (slurmd and ranks): detected "
           f"{detected(logs, 0, t_kill):.2f} s after the kill")

@@ -77,7 +77,6 @@ def test_ranks_fill_the_slots_and_the_spares_take_the_last():
     assert alloc.ranks(None, 0) == 5
     assert alloc.ranks(None, 1) == 4          # 4 training ranks, the spare on n03's one slot
     assert alloc.ranks(3, 2) == 3
-    assert alloc.ranks(None, 0, exclude={"n01"}) == 3
     with pytest.raises(SlurmError, match="5 task slots on 3 node.*not enough for 5 rank.*and 1 spare"):
         alloc.ranks(5, 1)
 

@@ -134,13 +134,12 @@ class Allocation:
         gone = set(exclude)
         return "".join(f"{n} slots={k}\n" for n, k in zip(self.nodes, self.slots) if n not in gone)
 
-    def ranks(self, n: int | None, spares: int, exclude: Iterable[str] = ()) -> int:
+    def ranks(self, n: int | None, spares: int) -> int:
         """How many training ranks to start: n, or every slot but the spares' when n is None.
 
         Ranks fill the slots node by node; the spares are the last ranks, so they sit on the last slots.
         """
-        gone = set(exclude)
-        total = sum(k for node, k in zip(self.nodes, self.slots) if node not in gone)
+        total = sum(self.slots)
         n = total - spares if n is None else n
         if n < 1 or n + spares > total:
             raise SlurmError(f"Slurm job {self.job_id} has {total} task slots on {len(self.nodes)} node(s), "
