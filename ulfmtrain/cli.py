@@ -147,9 +147,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="ulfmtrain-launch.") as tmp:
             # Inside a Slurm allocation the hosts and slots are the allocation's (launching/slurm.py).
-            n, hostfile, rsh, extra = slurm.resolve(args.n, args.spares, args.hostfile, args.agent, tmp)
-            return launch(n + args.spares, argv, hostfile=hostfile, mpirun_args=[*extra, *args.mpirun_arg],
-                          rsh=rsh, net=args.net, keepalive=args.keepalive)
+            plan = slurm.resolve(args.n, args.spares, args.hostfile, args.agent, args.net, tmp)
+            return launch(plan.ranks + args.spares, argv, hostfile=plan.hostfile,
+                          mpirun_args=[*plan.mpirun_args, *args.mpirun_arg], rsh=plan.rsh, net=plan.net,
+                          keepalive=args.keepalive)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -224,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no daemon on the hosts: start each rank through RSH (e.g. ssh), so a whole host can die; "
                         "needs --hostfile and --net; `slurm`: each rank a job step of its own (srun), inside an "
                         "allocation")
-    p.add_argument("--net", default=None, metavar="CIDR", help="with --agent: the cluster network, e.g. 10.0.0.0/24")
+    p.add_argument("--net", default=None, metavar="CIDR",
+                   help="with --agent: the cluster network, e.g. 10.0.0.0/24 (inside a Slurm allocation: by default "
+                        "the network of this host's route to the nodes)")
     p.add_argument("--keepalive", type=float, default=None, metavar="S",
                    help="with --agent: a host silent for S seconds (link cut, frozen) is dropped, and stops "
                         "itself (default 10; ssh gets matching ServerAlive options)")

@@ -6,6 +6,7 @@ Each test prints its figures (detection times: docs/node-loss.md, "Slurm").  `ma
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import subprocess
@@ -16,6 +17,14 @@ from pathlib import Path
 import pytest
 
 from ulfmtrain.core.events import read_rank_logs
+
+# The multi-host tests' judges of a survived run (one replica, the world's history; the audit), shared.
+_spec = importlib.util.spec_from_file_location("test_multihost", Path(__file__).parents[1] / "faults" /
+                                               "test_multihost.py")
+assert _spec is not None and _spec.loader is not None
+_multihost = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_multihost)
+check_survivors, audit_ok = _multihost.check_survivors, _multihost.audit_ok
 
 pytestmark = [pytest.mark.slurm, pytest.mark.faults, pytest.mark.timeout(300)]
 KEEPALIVE = 3.0                       # the keep-alive bound the agent launches use (as test_multihost.py)
@@ -69,21 +78,6 @@ def diag(cluster) -> str:
 
 def starts(logs: dict) -> dict[int, str]:
     return {r: next(x for x in recs if x["event"] == "start")["host"] for r, recs in logs.items()}
-
-
-def check_survivors(logs: dict, survivors: list[int], history: list[int]) -> dict:
-    """The survivors finished with the given world history and one replica; return the lowest one's end."""
-    ends = {r: [x for x in recs if x["event"] == "end"] for r, recs in logs.items()}
-    assert sorted(r for r, e in ends.items() if e) == survivors
-    for r in survivors:
-        assert ends[r][0]["world_history"] == history and ends[r][0]["consistent"], ends[r][0]
-    assert len({ends[r][0]["checksum"] for r in survivors}) == 1
-    return ends[survivors[0]][0]
-
-
-def audit_ok(out: Path) -> None:
-    proc = subprocess.run([*ULFM, "audit", str(out)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "every record exactly once per epoch" in proc.stdout, proc.stdout + proc.stderr
 
 
 def detected(logs: dict, rank: int, t_fault: float) -> float:
@@ -264,14 +258,13 @@ def test_supervise_relaunches_on_the_live_nodes_after_a_node_loss(slurm_cluster,
 
 # -- stopping ------------------------------------------------------------------------
 def test_scancel_stops_every_process_of_the_job(slurm_cluster, digits_dir):
-    """The example batch script (examples/slurm/train.sbatch, as a user submits it, on 2 nodes of 2 tasks):
-    it trains on the allocation's slots with a spare; scancel then stops it: within seconds nothing of it
-    runs on any node or on the login node, and Slurm records it CANCELLED."""
+    """The example batch script (examples/slurm/train.sbatch, as a user submits it, on 2 nodes of 2 tasks,
+    --net left to launch): it trains on the allocation's slots with a spare; scancel then stops it: within
+    seconds nothing of it runs on any node or on the login node, and Slurm records it CANCELLED."""
     c = slurm_cluster
     out = c.root / "out"
     script = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train.sbatch"
-    env = {"PYTHON": sys.executable, "DATA": str(digits_dir), "OUT": str(out), "NET": f"{c.subnet}.0/24",
-           "TRAIN_ARGS": "--model mlp"}
+    env = {"PYTHON": sys.executable, "DATA": str(digits_dir), "OUT": str(out), "TRAIN_ARGS": "--model mlp"}
     job = c.sbatch(script, "-N2", "--ntasks-per-node=2", env=env)
     assert wait_for(lambda: steps_of(out, 0) >= 20, 150), "training never reached step 20: " + diag(c)
     logs = read_rank_logs(out)

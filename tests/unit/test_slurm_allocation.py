@@ -83,22 +83,33 @@ def test_ranks_fill_the_slots_and_the_spares_take_the_last():
 
 def test_resolve_writes_the_allocations_hostfile(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm, "config", lambda: {"TaskPlugin": "task/affinity", "SlurmdPort": "7000"})
-    n, hostfile, rsh, extra = slurm.resolve(None, 1, None, None, str(tmp_path), env())
-    assert (n, rsh, extra) == (4, None, [])
-    assert hostfile is not None and open(hostfile).read() == "n01 slots=2\nn02 slots=2\nn03 slots=1\n"
-    n, hostfile, rsh, extra = slurm.resolve(2, 0, None, "slurm", str(tmp_path), env())
-    assert n == 2 and rsh is not None and rsh.endswith("slurm.py --cpu-bind=none")
-    assert extra == list(slurm.AGENT_MPIRUN_ARGS)     # one PRRTE daemon, on the head: not Slurm's launcher
+    monkeypatch.setattr(slurm, "network_to", lambda nodes: f"net to {','.join(nodes)}")
+    plan = slurm.resolve(None, 1, None, None, None, str(tmp_path), env())
+    assert (plan.ranks, plan.rsh, plan.mpirun_args, plan.net) == (4, None, [], None)
+    assert plan.hostfile is not None and open(plan.hostfile).read() == "n01 slots=2\nn02 slots=2\nn03 slots=1\n"
+    plan = slurm.resolve(2, 0, None, "slurm", None, str(tmp_path), env())
+    assert plan.ranks == 2 and plan.rsh is not None and plan.rsh.endswith("slurm.py --cpu-bind=none")
+    assert plan.mpirun_args == list(slurm.AGENT_MPIRUN_ARGS)   # one PRRTE daemon, on the head: not Slurm's launcher
+    assert plan.net == "net to n01,n02,n03"                    # an agent's --net found, unless given
+    assert slurm.resolve(2, 0, None, "slurm", "10.1.0.0/16", str(tmp_path), env()).net == "10.1.0.0/16"
     # A hostfile given by hand wins; outside Slurm nothing changes.
-    assert slurm.resolve(3, 0, "hosts", None, str(tmp_path), env())[:2] == (3, "hosts")
-    assert slurm.resolve(3, 0, None, "ssh", str(tmp_path), {}) == (3, None, "ssh", [])
+    assert slurm.resolve(3, 0, "hosts", None, None, str(tmp_path), env()) == slurm.LaunchPlan(3, "hosts", None, [],
+                                                                                                None)
+    assert slurm.resolve(3, 0, None, "ssh", "N", str(tmp_path), {}) == slurm.LaunchPlan(3, None, "ssh", [], "N")
+
+
+def test_the_network_to_the_nodes_is_this_hosts_on_their_route():
+    """127.0.0.1 is reached from lo's 127.0.0.1/8 (where `ip` is installed)."""
+    if not shutil.which("ip"):
+        pytest.skip("iproute2 is not installed")
+    assert slurm.network_to(["127.0.0.1"]) == "127.0.0.0/8"
 
 
 def test_resolve_refuses_what_cannot_run(tmp_path):
     with pytest.raises(SlurmError, match="--agent slurm starts each rank with srun: run launch inside sbatch"):
-        slurm.resolve(2, 0, "hosts", "slurm", str(tmp_path), {})
+        slurm.resolve(2, 0, "hosts", "slurm", None, str(tmp_path), {})
     with pytest.raises(SlurmError, match="needs -n N"):
-        slurm.resolve(None, 0, None, None, str(tmp_path), {})
+        slurm.resolve(None, 0, None, None, None, str(tmp_path), {})
 
 
 def test_srun_options_follow_the_task_plugin():

@@ -18,6 +18,7 @@ process that PRRTE started; so, like agent.py, it imports the standard library o
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import itertools
 import os
 import re
@@ -148,12 +149,25 @@ class Allocation:
         return n
 
 
-def resolve(n: int | None, spares: int, hostfile: str | None, agent: str | None, directory: str,
-            environ: Mapping[str, str] = os.environ) -> tuple[int, str | None, str | None, list[str]]:
-    """launch's training ranks, hostfile, agent command and extra mpirun arguments.
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What launch runs: the training ranks, the hostfile, the agent's remote command, mpirun's extra
+    arguments and the cluster network (--net)."""
+
+    ranks: int
+    hostfile: str | None
+    rsh: str | None
+    mpirun_args: list[str]
+    net: str | None
+
+
+def resolve(n: int | None, spares: int, hostfile: str | None, agent: str | None, net: str | None,
+            directory: str, environ: Mapping[str, str] = os.environ) -> LaunchPlan:
+    """launch's ranks, hosts and agent, from the allocation where there is one.
 
     Inside an allocation with no --hostfile, the hosts and slots are the allocation's (a hostfile written to
-    `directory`); `--agent slurm` needs an allocation.  Elsewhere everything is as given.
+    `directory`), and an agent's --net defaults to the network that connects this host to the nodes.
+    `--agent slurm` needs an allocation.  Elsewhere everything is as given.
     """
     alloc = Allocation.from_env(environ)
     if agent == AGENT and alloc is None:
@@ -164,12 +178,34 @@ def resolve(n: int | None, spares: int, hostfile: str | None, agent: str | None,
     if alloc is None or hostfile:
         if n is None:
             raise SlurmError("launch needs -n N (the number of training ranks) outside a Slurm allocation")
-        return n, hostfile, rsh, extra
+        return LaunchPlan(n, hostfile, rsh, extra, net)
     ranks = alloc.ranks(n, spares)
     path = os.path.join(directory, "hostfile")
     with open(path, "w") as f:
         f.write(alloc.hostfile())
-    return ranks, path, rsh, extra
+    if agent and net is None:
+        net = network_to(alloc.nodes)
+    return LaunchPlan(ranks, path, rsh, extra, net)
+
+
+def network_to(nodes: Iterable[str]) -> str:
+    """The network (CIDR) of this host's address on its route to the first of `nodes` that is not itself:
+    where the ranks reach the head (`ip -o -4 addr`)."""
+    names = list(nodes)
+    here = socket.gethostname().split(".")[0]
+    node = next((x for x in names if x.split(".")[0] != here), names[0])
+    fix = "pass --net CIDR, the network that connects the nodes"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((node, 9))      # UDP: picks the route, sends nothing
+            addr = s.getsockname()[0]
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SlurmError(f"cannot tell the network from this host to node {node} ({exc}): {fix}") from None
+    for m in re.finditer(r"\binet (\S+)/(\d+)", out):
+        if m.group(1) == addr:
+            return str(ipaddress.ip_network(f"{addr}/{m.group(2)}", strict=False))
+    raise SlurmError(f"this host reaches node {node} from {addr}, on no interface `ip addr` shows: {fix}")
 
 
 def config() -> dict[str, str]:
