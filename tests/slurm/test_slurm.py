@@ -188,7 +188,8 @@ def test_agent_launch_survives_a_nodes_slurmd_and_ranks_killed(slurm_cluster, di
     assert starts(logs) == {0: n1, 1: n1, 2: n2, 3: n2}, diag(c)
     check_survivors(logs, [0, 1], [4, 2])
     audit_ok(out)
-    assert c.job(job)["JobState"] in ("COMPLETING", "COMPLETED"), c.job(job)
+    info = c.wait_job(job, 30, ("COMPLETING", "COMPLETED"))     # the script wrote its status just before it ended
+    assert info["JobState"] in ("COMPLETING", "COMPLETED"), info
     assert c.node_states()[n2].startswith("down"), c.node_states()
     assert not no_job_left(c, 15, [n1]), "a process of the job outlived it on node 1"
     print(f"\n{agent} agent, node {n2} killed (slurmd and ranks): detected "
