@@ -137,7 +137,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=30
 StateSaveLocation={st}/ctld
 SlurmdSpoolDir={st}/spool-%n
 SlurmctldPidFile={st}/slurmctld.pid

@@ -257,6 +257,34 @@ def test_supervise_relaunches_on_the_live_nodes_after_a_node_loss(slurm_cluster,
           f"{first_step - second['t_launch']:.2f} s")
 
 
+# -- requeue ------------------------------------------------------------------------
+@pytest.mark.timeout(480)
+def test_a_requeued_batch_job_resumes_from_its_checkpoint(slurm_cluster, digits_dir):
+    """The example batch script requeued mid-training (`scontrol requeue`, as Slurm does after a preemption or
+    the batch node's loss): Slurm ends it and runs the script again under the same job id, which finds its
+    checkpoint and resumes from it (Slurm holds a requeued job back for about its credential lifetime:
+    cred_expire, 30 s here, 120 s by default)."""
+    c = slurm_cluster
+    out = c.root / "out"
+    script = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train.sbatch"
+    env = {"PYTHON": sys.executable, "DATA": str(digits_dir), "OUT": str(out), "EPOCHS": "4",
+           "TRAIN_ARGS": "--model mlp --ckpt-every 20"}
+    job = c.sbatch(script, "-N2", "--ntasks-per-node=2", env=env)
+    latest = out / "ckpt" / "latest"
+    assert wait_for(lambda: latest.exists() and json.loads(latest.read_text())["step"] >= 40, 200), diag(c)
+    c.run("scontrol", "requeue", job)
+    info = c.wait_job(job, 400, ("COMPLETED", "FAILED", "CANCELLED"))
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, diag(c))
+    events = read_rank_logs(out)[0]              # both runs log to OUT: the script keeps it under the job id
+    resumes = [x for x in events if x["event"] == "resume"]
+    written = [x["step"] for x in events if x["event"] == "checkpoint_written"]
+    assert len(resumes) == 1 and resumes[0]["step"] >= 40 and resumes[0]["step"] in written, (resumes, written)
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 4
+    t_requeue = max(x["t"] for x in events if x["event"] == "step" and x["t"] < resumes[0]["t"])
+    print(f"\nrequeue: resumed from step {resumes[0]['step']}, {resumes[0]['t'] - t_requeue:.0f} s after the last "
+          "step before it")
+
+
 # -- stopping ------------------------------------------------------------------------
 def test_scancel_stops_every_process_of_the_job(slurm_cluster, digits_dir):
     """The example batch script (examples/slurm/train.sbatch, as a user submits it, on 2 nodes of 2 tasks,
