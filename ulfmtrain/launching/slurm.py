@@ -218,8 +218,8 @@ def config() -> dict[str, str]:
 
 
 def srun_options(conf: Mapping[str, str]) -> list[str]:
-    """srun options that depend on the cluster: --cpu-bind=none where a task plugin binds (every one-task step
-    would be bound to the same first CPU of its node); where none binds, srun would warn about it per rank."""
+    """srun options that depend on the cluster: --cpu-bind=none where a task plugin binds (overlapping one-task
+    steps can all be given the same first CPU of their node); where none binds, srun warns about it per rank."""
     plugins = conf.get("TaskPlugin", "task/none")
     return [] if plugins in ("", "(null)", "task/none") else ["--cpu-bind=none"]
 
