@@ -10,4 +10,4 @@ OUT=${OUT:-$PWD/runs/salloc-$(date +%Y%m%d-%H%M%S)}
 NET=${NET:-}                         # the network that connects the nodes and this one; empty: found
 exec salloc --nodes="${NODES:-2}" --ntasks-per-node="${TASKS_PER_NODE:-8}" --no-kill --time=01:00:00 \
     "$PYTHON" -P -m ulfmtrain launch --agent slurm ${NET:+--net "$NET"} --spares "${SPARES:-1}" -- \
-    train --data "$DATA" --out "$OUT" --epochs "${EPOCHS:-5}" --ckpt-dir "$OUT/ckpt" --ckpt-every 200
+    train --data "$DATA" --out "$OUT" --epochs "${EPOCHS:-5}" --ckpt-dir "$OUT/ckpt" --ckpt-every 200 ${TRAIN_ARGS:-}

@@ -204,8 +204,8 @@ InactiveLimit=0
 
     def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
         """A process on the login node (salloc, a launch there), in a session of its own."""
-        return subprocess.Popen(["ip", "netns", "exec", self.login, *cmd], env=self.env, start_new_session=True,
-                                **kw)
+        kw.setdefault("env", self.env)
+        return subprocess.Popen(["ip", "netns", "exec", self.login, *cmd], start_new_session=True, **kw)
 
     def node_states(self) -> dict[str, str]:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %t").stdout

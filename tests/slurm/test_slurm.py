@@ -311,16 +311,17 @@ def test_scancel_stops_every_process_of_the_job(slurm_cluster, digits_dir):
 
 
 def test_ctrl_c_on_salloc_stops_every_process(slurm_cluster, digits_dir):
-    """`salloc ... launch --agent slurm` at a terminal (a pseudo-terminal: salloc gives the command the
-    foreground), then Ctrl-C typed there: within seconds nothing of the job runs anywhere, the allocation is
-    released, and salloc's status says the command was interrupted."""
+    """The example salloc script (examples/slurm/train-salloc.sh) at a terminal (a pseudo-terminal: salloc
+    gives the command the foreground), then Ctrl-C typed there: within seconds nothing of the job runs
+    anywhere, the allocation is released, and salloc's status says the command was interrupted."""
     c = slurm_cluster
     out = c.root / "out"
-    salloc = ["salloc", "-v", "-N2", "--ntasks-per-node=2", "--no-kill",
-              *agent_launch(c, "slurm", "--", *train(digits_dir, out, "--epochs", "20"))]
+    script = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train-salloc.sh"
+    env = {"PYTHON": sys.executable, "DATA": str(digits_dir), "OUT": str(out), "NODES": "2", "TASKS_PER_NODE": "2",
+           "EPOCHS": "20", "TRAIN_ARGS": "--model mlp", "SALLOC_DEBUG": "1"}
     # script(1) runs salloc on a terminal of its own and passes what we write to it as typed keys.
-    proc = c.popen(["script", "-qefc", shlex.join(salloc), "/dev/null"], stdin=subprocess.PIPE,
-                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=c.root)
+    proc = c.popen(["script", "-qefc", str(script), "/dev/null"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT, cwd=c.root, env={**c.env, **env})
     try:
         assert training_reached(c, out, 20), "training never reached step 20: " + diag(c)
         t0 = time.monotonic()
@@ -336,7 +337,7 @@ def test_ctrl_c_on_salloc_stops_every_process(slurm_cluster, digits_dir):
     assert not left, (left, output[-3000:])
     # launch ends its job and exits 130 on SIGINT, which salloc passes on; a launch that dies by the SIGINT
     # itself (Python's default) makes salloc exit 0, as it does for any command a user interrupted: both are
-    # "interrupted at the terminal" (salloc -v says which).
+    # "interrupted at the terminal" (salloc -v, SALLOC_DEBUG=1, says which).
     assert proc.returncode == 130 or (proc.returncode == 0 and "terminated by signal 2" in output), \
         (proc.returncode, output[-3000:])
     assert not c.run("squeue", "-h").stdout.strip(), "the allocation is still held"
