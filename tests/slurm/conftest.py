@@ -47,12 +47,10 @@ def ns_pids(ns: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def signal_ns(ns: str, sig: int, skip: set[int] = frozenset()) -> list[int]:
-    """Send sig to every process of the namespace (by pid), but those in skip; return the pids signalled."""
+def signal_ns(ns: str, sig: int) -> list[int]:
+    """Send sig to every process of the namespace (by pid); return the pids signalled."""
     done = []
     for pid in ns_pids(ns):
-        if pid in skip:
-            continue
         try:
             os.kill(pid, sig)
             done.append(pid)
@@ -241,6 +239,7 @@ InactiveLimit=0
 
     def wait_job(self, job_id: str, timeout: float, states: tuple[str, ...] = ("COMPLETED", "FAILED",
                  "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")) -> dict[str, str]:
+        """The job once it is in one of `states` (by default, ended), or as it is after timeout seconds."""
         t0 = time.monotonic()
         while True:
             info = self.job(job_id)
