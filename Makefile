@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ulfmtrain-installed
 
-.PHONY: setup demo test test-long bench clean
+.PHONY: setup demo test test-long test-slurm bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,12 @@ test: setup
 
 test-long: setup
 	$(PY) -P -m pytest -m long
+
+# Jobs under a real Slurm on network-namespace hosts (tests/slurm): installs Slurm where it can (apt-get as root),
+# else the tests skip with the reason.
+test-slurm: setup
+	scripts/install_slurm.sh
+	$(PY) -P -m pytest -m slurm --durations=10 tests/slurm
 
 bench: setup
 	$(PY) -P benchmarks/run_all.py

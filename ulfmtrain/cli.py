@@ -119,8 +119,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     import os
+    import tempfile
 
     from .job.script import REPLACE_ENV, SPARES_ENV
+    from .launching import slurm
     from .launching.launch import COMMANDS, launch
 
     argv = list(args.argv)
@@ -129,7 +131,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not argv:
         raise UsageError("launch needs a command after --, e.g. `launch -n 4 -- python train.py ARGS` "
                          "or `launch -n 4 -- train --data DIR`")
-    if args.n < 1:
+    if args.n is not None and args.n < 1:
         raise UsageError(f"-n {args.n}: give the number of training ranks, at least 1")
     if args.spares < 0:
         raise UsageError(f"--spares {args.spares}: give the number of hot spares, 0 or more")
@@ -143,8 +145,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # One thread per rank unless told otherwise (torchrun's default): ranks share the cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg,
-                      rsh=args.agent, net=args.net, keepalive=args.keepalive)
+        with tempfile.TemporaryDirectory(prefix="ulfmtrain-launch.") as tmp:
+            # Inside a Slurm allocation the hosts and slots are the allocation's (launching/slurm.py).
+            plan = slurm.resolve(args.n, args.spares, args.hostfile, args.agent, args.net, tmp)
+            return launch(plan.ranks + args.spares, argv, hostfile=plan.hostfile,
+                          mpirun_args=[*plan.mpirun_args, *args.mpirun_arg], rsh=plan.rsh, net=plan.net,
+                          keepalive=args.keepalive)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -206,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="run `python script.py ...` (or `train ...`) on N ranks under mpirun "
                                       "--with-ft ulfm with the right flags")
-    p.add_argument("-n", type=int, required=True, help="number of training ranks")
+    p.add_argument("-n", type=int, default=None,
+                   help="number of training ranks (inside a Slurm allocation: every task slot but the spares')")
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="start K more ranks as hot spares: they wait, and take a dead rank's place with the "
                         "survivors' live state")
@@ -216,8 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostfile", default=None, help="hosts for a multi-node run (adds --mca coll ^han)")
     p.add_argument("--agent", default=None, metavar="RSH",
                    help="no daemon on the hosts: start each rank through RSH (e.g. ssh), so a whole host can die; "
-                        "needs --hostfile and --net")
-    p.add_argument("--net", default=None, metavar="CIDR", help="with --agent: the cluster network, e.g. 10.0.0.0/24")
+                        "needs --hostfile and --net; `slurm`: each rank a job step of its own (srun), inside an "
+                        "allocation")
+    p.add_argument("--net", default=None, metavar="CIDR",
+                   help="with --agent: the cluster network, e.g. 10.0.0.0/24 (inside a Slurm allocation: by default "
+                        "the network of this host's route to the nodes)")
     p.add_argument("--keepalive", type=float, default=None, metavar="S",
                    help="with --agent: a host silent for S seconds (link cut, frozen) is dropped, and stops "
                         "itself (default 10; ssh gets matching ServerAlive options)")
@@ -241,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("supervise",
                        help="checkpoint-restart: relaunch mpirun from the latest checkpoint after a failure")
-    p.add_argument("-n", type=int, required=True, help="number of ranks of the first attempt")
+    p.add_argument("-n", type=int, default=None,
+                   help="number of ranks of the first attempt (inside a Slurm allocation: every task slot)")
     p.add_argument("--max-attempts", type=int, default=5, help="launches in all, the first included")
     p.add_argument("--relaunch", choices=("same", "fewer"), default="same",
                    help="relaunch with the same number of ranks, or one fewer per failed rank")
@@ -249,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="seconds one attempt may take before it is killed")
     p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
     p.add_argument("--hostfile", default=None,
-                   help="run each attempt on the hosts that answer a TCP probe (a dead host is left out)")
+                   help="run each attempt on the hosts that answer a TCP probe (a dead host is left out); inside "
+                        "a Slurm allocation the default is its nodes whose slurmd answers")
     p.add_argument("--probe-port", type=int, default=22, help="the port the host probe connects to (ssh's)")
     p.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
                    help="kill an attempt whose ranks have not started training after S seconds (a hung launch)")
@@ -318,11 +330,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .tools.demo import DemoOptions, run_demo
             return run_demo(_options(DemoOptions, args))
         if args.command == "supervise":
-            from .launching import supervise
+            from .launching import slurm, supervise
+            try:       # inside a Slurm allocation, its nodes (unless a hostfile is given)
+                allocation = None if args.hostfile else slurm.Allocation.from_env()
+            except slurm.SlurmError as exc:
+                raise UsageError(str(exc)) from None
             return supervise.main(args.n, _train_job(args.argv), max_attempts=args.max_attempts,
                                   relaunch=args.relaunch, min_ranks=args.min_ranks, timeout=args.timeout,
                                   mpirun_args=args.mpirun_arg, hostfile=args.hostfile, probe_port=args.probe_port,
-                                  start_timeout=args.start_timeout)
+                                  start_timeout=args.start_timeout, allocation=allocation)
         if args.command == "audit":
             from .tools.audit import main as audit_main
             return audit_main(args.out)

@@ -31,6 +31,7 @@ from ..core.atomic import write_json
 from ..core.events import Event, read_rank_logs, select
 from ..training.config import TrainJob
 from ..transport.faults import Kill, parse_kills
+from . import slurm
 from .launch import mpirun_command, read_hostfile
 
 PROG = "ulfmtrain supervise"
@@ -129,18 +130,24 @@ def live_hostfile(hostfile: str, path: Path, port: int, timeout: float) -> tuple
     return slots, live, dead
 
 
-def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "same",
+def supervise(n: int | None, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "same",
               min_ranks: int = 1, timeout: float | None = None, mpirun_args: Sequence[str] = (),
               hostfile: str | None = None, probe_port: int = 22, probe_timeout: float = 1.0,
-              start_timeout: float | None = 600.0) -> int:
+              start_timeout: float | None = 600.0, allocation: slurm.Allocation | None = None) -> int:
     """Run the train job until it completes, relaunching from the latest checkpoint; return an exit status.
 
     With a hostfile, each attempt runs on the hosts that answer a TCP probe, with
     as many ranks as they hold (at most n): a host that died is left out.  An
     attempt that fails before training starts is an error to fix, and is not
     relaunched, unless a host it ran on no longer answers: then a host died
-    during the launch, and the next attempt leaves it out.
+    during the launch, and the next attempt leaves it out.  Inside a Slurm
+    allocation (and no hostfile), the hosts are the allocation's nodes whose
+    slurmd answers; a node lost once stays out for the rest of the job.
     """
+    if n is None:
+        if allocation is None:
+            raise SuperviseError("supervise needs -n N (the number of ranks) outside a Slurm allocation")
+        n = allocation.ranks(None, 0)
     if n < 1 or max_attempts < 1 or min_ranks < 1:
         raise SuperviseError("-n, --max-attempts and --min-ranks must be at least 1")
     if start_timeout is not None and start_timeout <= 0:
@@ -155,22 +162,38 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
     record: dict[str, Any] = {"ranks": n, "argv": job.to_argv(), "recovery": job.recovery, "relaunch": relaunch,
                               "max_attempts": max_attempts, "attempts": []}
     ranks = n
+    if allocation is not None:
+        port = slurm.slurmd_port(slurm.config())
+
+        def is_up(host: str) -> bool:
+            return slurm.node_is_up(host, port, probe_timeout)
+    else:
+        def is_up(host: str) -> bool:
+            return host_is_up(host, probe_port, probe_timeout)
+    excluded: set[str] = set()            # Slurm nodes lost so far: never used again by this job
     for attempt in range(1, max_attempts + 1):
         run_dir = out / f"attempt-{attempt}"
         resume = job.checkpoint.resume if attempt == 1 else has_checkpoint(ckpt)
         pointer = read_pointer(ckpt) if resume else None
         hosts, size = None, ranks
         live: list[str] = []              # the hosts this attempt runs on (with a hostfile)
-        if hostfile:
+        if allocation is not None:
+            hosts = str(run_dir / "hostfile")
+            live, dead = slurm.live_nodes(allocation, excluded, is_up)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            Path(hosts).write_text(allocation.hostfile(exclude=excluded))
+            slots = sum(k for node, k in zip(allocation.nodes, allocation.slots) if node in live)
+        elif hostfile:
             hosts = str(run_dir / "hostfile")
             slots, live, dead = live_hostfile(hostfile, Path(hosts), probe_port, probe_timeout)
+        if hosts is not None:
             if dead:
                 print(f"{PROG}: hosts down, left out: {', '.join(dead)}", file=sys.stderr, flush=True)
             if slots < min_ranks:
                 print(f"{PROG}: error: the live hosts hold {slots} slots, fewer than --min-ranks {min_ranks}",
                       file=sys.stderr, flush=True)
                 return 1
-            size = min(ranks, slots)      # a host that comes back is used again
+            size = min(ranks, slots)      # a host of the hostfile that comes back is used again
         kills = [k for k in kills if k.rank < size]
         av = job.replace(out=run_dir, kill_specs=[str(k) for k in kills], checkpoint={"resume": resume}).to_argv()
         cmd = mpirun_command(size, av, hostfile=hosts, mpirun_args=mpirun_args, ft=job.recovery.fault_tolerant)
@@ -203,7 +226,7 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
         why = ("timed out" if res["timed_out"] else
                f"no rank started within --start-timeout {start_timeout:g} s" if res["start_timed_out"] else
                f"kill {', '.join(fired)}" if fired else f"mpirun exit status {res['rc']}")
-        lost = [h for h in live if not host_is_up(h, probe_port, probe_timeout)] if not started else []
+        lost = [h for h in live if not is_up(h)] if not started else []
         if lost:                          # not the job's fault: a host died while it launched
             print(f"{PROG}: attempt {attempt} failed before training started ({why}); host(s) "
                   f"{', '.join(lost)} went down during its launch"
@@ -228,10 +251,10 @@ def supervise(n: int, job: TrainJob, *, max_attempts: int = 5, relaunch: str = "
     return 1
 
 
-def main(n: int, job: TrainJob, **options: Any) -> int:
+def main(n: int | None, job: TrainJob, **options: Any) -> int:
     """Entry point of `python -m ulfmtrain supervise` (options: supervise's keyword arguments)."""
     try:
         return supervise(n, job, **options)
-    except SuperviseError as exc:
+    except (SuperviseError, slurm.SlurmError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
