@@ -4,26 +4,29 @@ import sys
 import pytest
 
 from ulfmtrain.launching.launch import mpirun_command, mpirun_prefix, warm_start
-from ulfmtrain.membership.spawn_shim import ADDRESS_ENV, ENABLE_ENV
+from ulfmtrain.membership.spawn_shim import ADDRESS_ENV, ENABLE_ENV, PID_ENV
 
 
 @pytest.fixture(autouse=True)
 def cold(monkeypatch):
     """The commands as a user's launch builds them: no warm fork server named (the suite names its own)."""
     monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    monkeypatch.delenv(PID_ENV, raising=False)
 
 
 def test_a_named_fork_server_starts_the_ranks_it_can_run_as_its_forks(monkeypatch):
-    monkeypatch.setenv(ADDRESS_ENV, "@warm")
+    monkeypatch.setenv(ADDRESS_ENV, "/x/warm")
     train = [sys.executable, "-P", "-m", "ulfmtrain", "train"]
     shim = mpirun_command(2, ["train"], cores=8)[-10:-5]
-    assert shim[:3] == [sys.executable, "-I", "-S"] and shim[3].endswith("spawn_shim.py") and shim[4] == "@warm"
+    assert shim[:3] == [sys.executable, "-I", "-S"] and shim[3].endswith("spawn_shim.py") and shim[4] == "/x/warm"
+    monkeypatch.setenv(PID_ENV, "123")          # the server's process, known: the shim checks it is the one there
+    assert mpirun_command(2, ["train"], cores=8)[-12:-5][4:7] == ["--pid", "123", "/x/warm"]
     assert mpirun_command(2, ["train"], cores=8)[-5:] == train
     assert warm_start([sys.executable, "script.py"])[-2:] == [sys.executable, "script.py"]
     # What the server does not run, another host's ranks, and a disabled server: started from scratch.
     for cmd in ([sys.executable, "-c", "pass"], ["./my_program"], [sys.executable]):
         assert warm_start(cmd) == cmd
-    assert mpirun_command(2, ["train"], hostfile="hosts")[-5:] == train and "@warm" not in mpirun_command(
+    assert mpirun_command(2, ["train"], hostfile="hosts")[-5:] == train and "/x/warm" not in mpirun_command(
         2, ["train"], hostfile="hosts")
     monkeypatch.setenv(ENABLE_ENV, "0")
     assert warm_start(train) == train

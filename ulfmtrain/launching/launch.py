@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from ..core import userdir
 from ..membership import spawn_shim
 
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
@@ -102,7 +103,7 @@ def warm_start(cmd: list[str]) -> list[str]:
         spawn_shim.served(cmd)
     except ValueError:
         return cmd
-    return [sys.executable, "-I", "-S", spawn_shim.__file__, address, *cmd]
+    return spawn_shim.command_line(address, cmd)
 
 
 @contextlib.contextmanager
@@ -114,25 +115,33 @@ def warm_server() -> Iterator[None]:
     if spawn_shim.ADDRESS_ENV in os.environ or os.environ.get(spawn_shim.ENABLE_ENV) == "0":
         yield
         return
-    address = f"@ulfmtrain-warm-{os.getpid()}"
+    try:
+        address = str(userdir.private_dir() / f"warm-{os.getpid()}")
+    except userdir.UnsafeFolder as exc:
+        print(f"ulfmtrain: warning: {exc}: every rank starts from scratch", file=sys.stderr, flush=True)
+        yield
+        return
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
     server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", address,
                                str(os.getpid()), "--keep"], env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    os.environ[spawn_shim.ADDRESS_ENV] = address
+    os.environ.update({spawn_shim.ADDRESS_ENV: address, spawn_shim.PID_ENV: str(server.pid)})
     try:
         yield
     finally:
-        del os.environ[spawn_shim.ADDRESS_ENV]
+        del os.environ[spawn_shim.ADDRESS_ENV], os.environ[spawn_shim.PID_ENV]
         server.kill()
         server.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(address)        # killed: it could not
 
 
 def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:
     """`-x NAME` for each ULFMTRAIN_* variable set here (kills, event log, spares) and OMP_NUM_THREADS, so every
     rank sees it, on every host."""
     # (Not the fork server's address: it is this host's.)
-    named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"} | {spawn_shim.ADDRESS_ENV}
+    named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"} | {spawn_shim.ADDRESS_ENV,
+                                                                             spawn_shim.PID_ENV}
     wanted = [k for k in sorted(os.environ) if k.startswith("ULFMTRAIN_") or k == "OMP_NUM_THREADS"]
     return [w for k in wanted if k not in named for w in ("-x", k)]
 
