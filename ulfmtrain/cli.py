@@ -144,7 +144,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg,
-                      rsh=args.agent, net=args.net, keepalive=args.keepalive)
+                      rsh=args.agent, net=args.net, keepalive=args.keepalive, wdir=args.wdir)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keepalive", type=float, default=None, metavar="S",
                    help="with --agent: a host silent for S seconds (link cut, frozen) is dropped, and stops "
                         "itself (default 10; ssh gets matching ServerAlive options)")
+    p.add_argument("--wdir", default=None, metavar="DIR",
+                   help="the directory every rank starts in, on every host (default: this one; it must exist at "
+                        "the same path on every host)")
     p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- python script.py ARGS, or -- train ...")
 

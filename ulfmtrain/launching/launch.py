@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..core import userdir
 from ..membership import spawn_shim
+from ..transport import link
 
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
 # What fault tolerance needs of mpirun.  --with-ft ulfm makes the launched job recoverable, but not the jobs that
@@ -177,25 +178,19 @@ def rank_hosts(hostfile: str, n: int) -> list[str]:
 DEFAULT_KEEPALIVE = 10.0
 
 
-def ssh_keepalive(rsh: list[str], keepalive: float) -> list[str]:
-    """ssh's own keep-alives derived from the bound: it gives up after about `keepalive` seconds of silence."""
-    if not rsh or Path(rsh[0]).name != "ssh":
-        return rsh
-    interval = max(1, round(keepalive / 3))
-    count = max(1, int(keepalive // interval))   # ssh gives up after about interval * count s of silence
-    return [rsh[0], "-o", f"ServerAliveInterval={interval}", "-o", f"ServerAliveCountMax={count}",
-            "-o", f"ConnectTimeout={max(1, math.ceil(keepalive))}", *rsh[1:]]
-
-
 def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_args: Sequence[str] = (), *,
-                 keepalive: float = DEFAULT_KEEPALIVE, directory: str = "") -> tuple[list[str], dict[str, str]]:
+                 keepalive: float = DEFAULT_KEEPALIVE, directory: str = "",
+                 wdir: str | None = None) -> tuple[list[str], dict[str, str]]:
     """mpirun with its only daemon here, every rank started on its host by the exec agent; and its environment.
 
     The PMIx server listens on the cluster network NET (a CIDR); shared memory
     stays off (Open MPI believes every rank is local), and so does han.  Each
     rank runs under a tether that keeps a link to its agent alive: a host
-    silent for `keepalive` seconds is dropped (agent.py, tether.py).
-    directory holds the agents' lock files (the launch's own temporary folder).
+    silent for `keepalive` seconds is dropped (agent.py, tether.py); the link
+    proves a secret made here for the job, which the agents get in their
+    environment (never on a command line).  Every rank starts in wdir (default:
+    this directory).  directory holds the agents' lock files (the launch's own
+    temporary folder).
     """
     if not (isinstance(keepalive, (int, float)) and math.isfinite(keepalive) and keepalive > 0):
         raise ValueError(f"--keepalive {keepalive!r}: give a positive number of seconds (default "
@@ -205,29 +200,34 @@ def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_a
     except ValueError:
         raise ValueError(f"--net {net!r} is not a network in CIDR form: give one like 10.0.0.0/24") from None
     tether = [sys.executable, "-P", str(Path(__file__).parent.parent / "transport" / "tether.py")]
-    plan = {"rsh": ssh_keepalive(shlex.split(rsh), keepalive), "hosts": rank_hosts(hostfile, n), "net": net,
-            "keepalive": keepalive, "tether": tether, "dir": directory}
+    plan = {"rsh": shlex.split(rsh), "hosts": rank_hosts(hostfile, n), "net": net, "keepalive": keepalive,
+            "tether": tether, "dir": directory, "wdir": os.path.abspath(wdir or os.getcwd())}
     cmd = [find_mpirun(), *FT_ARGS, "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
            "--bind-to", "none", "--prtemca", "odls_base_exec_agent", agent,
            "--prtemca", "pmix_remote_connections", "1", "--pmixmca", "ptl_tcp_if_include", net,
            "--pmixmca", "gds", "hash", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,
-           "--prtemca", "oob_tcp_if_include", net, "--mca", "coll", "^han", "-x", "ULFMTRAIN_AGENT_PLAN"]
+           "--prtemca", "oob_tcp_if_include", net, "--mca", "coll", "^han", "-x", "ULFMTRAIN_AGENT_PLAN",
+           "-x", link.SECRET_ENV]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    return cmd + list(mpirun_args), {"ULFMTRAIN_AGENT_PLAN": json.dumps(plan)}
+    return cmd + list(mpirun_args), {"ULFMTRAIN_AGENT_PLAN": json.dumps(plan), link.SECRET_ENV: link.new_secret()}
 
 
 def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
            mpirun_args: Sequence[str] = (), timeout: float | None = None,
-           rsh: str | None = None, net: str | None = None, keepalive: float | None = None) -> int:
+           rsh: str | None = None, net: str | None = None, keepalive: float | None = None,
+           wdir: str | None = None) -> int:
     """Run the job and return mpirun's exit code (judge success by what the ranks wrote).
 
     With rsh (and a hostfile and net): no daemon on the compute hosts, so the
     loss of a whole host is survived (see ulfmtrain/launching/agent.py); a silent host
-    is dropped after `keepalive` seconds (default 10).
+    is dropped after `keepalive` seconds (default 10).  Every rank starts in
+    wdir (default: this directory), on every host.
     """
     mpirun_args = [*exported_env(mpirun_args), *mpirun_args]
     if rsh is None:
+        if wdir is not None:
+            mpirun_args += ["--wdir", os.path.abspath(wdir)]
         if keepalive is not None:
             raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
         return subprocess.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args),
@@ -242,6 +242,7 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
                          f'{shlex.quote(str(Path(__file__).with_name("agent.py")))} "$@"\n')
         agent.chmod(0o755)
         cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args,
-                                keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp)
+                                keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp,
+                                wdir=wdir)
         cmd += program(argv)
         return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode

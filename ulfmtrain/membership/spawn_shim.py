@@ -15,6 +15,7 @@ import signal
 import socket
 import struct
 import sys
+from typing import Any
 
 ADDRESS_ENV = "ULFMTRAIN_FORKSERVER_AT"    # where a newcomer's own spawns find the fork server
 PID_ENV = "ULFMTRAIN_FORKSERVER_PID"       # and its process, where known
@@ -68,14 +69,15 @@ def _mirror(status: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
-def main(address: str, command: list[str], pid: int | None = None) -> None:
+def main(address: str, command: list[str], server: int | None = None) -> None:
     os.environ[ADDRESS_ENV] = address
-    if pid is not None:
-        os.environ[PID_ENV] = str(pid)
+    if server is not None:
+        os.environ[PID_ENV] = str(server)
+    reply: dict[str, Any]
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.connect(on_this_host(address))
-        reply = {"error": untrusted(s, address, pid)}
+        reply = {"error": untrusted(s, address, server)}
         if not reply["error"]:
             request = {"command": command, "env": dict(os.environ), "cwd": os.getcwd()}
             socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
