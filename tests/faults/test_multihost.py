@@ -677,3 +677,43 @@ def test_ssh_agent_launch_relative_paths_and_a_cut_host(ssh_hosts, digits_dir, t
     assert all("no answer from the head node" in x for x in lines), lines
     print(f"\nssh, link of host b cut (keep-alive {KEEPALIVE:g} s): " + "; ".join(timings(logs, 0, t_cut))
           + f"; nothing of the job on b {t_gone - t_cut:.1f} s after the cut")
+
+
+# -- the normal launch: a lost host ends the job, and says so ---------------------------------------------------
+def rank_processes(ns: str) -> list[str]:
+    """The ranks of a train job still running on the namespace host (pid and command line)."""
+    return [p for p in job_processes(ns) if " train " in p and "launch" not in p]
+
+
+def test_normal_launch_a_lost_host_ends_the_job_with_a_true_status(three_hosts, digits_dir, tmp_path):
+    """A daemon on every host: host c loses power (its daemon with it), which PRRTE cannot survive (NODE_LOSS.md).
+    launch ends with status 4 and one line that names c and suggests --agent, and the ranks of a (mpirun's host)
+    and b are gone within seconds.  (Before, launch exited 0; the review saw ranks run on for up to 10 s, here
+    they were gone in 1.0-1.3 s.)"""
+    hosts, agent, hostfile = three_hosts
+    a, b, c = list(hosts)
+    out = tmp_path / "out"
+    launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", "6", "--hostfile", str(hostfile),
+              *[f"--mpirun-arg={x}" for x in daemon_args(agent)], "--",
+              "train", "--data", str(digits_dir), "--out", str(out), "--epochs", "30", "--model", "mlp",
+              "--no-progress"]
+    inner = " ".join(f"'{x}'" for x in launch)
+    proc = subprocess.Popen(["ip", "netns", "exec", hosts[a], "unshare", "--uts", "sh", "-c",
+                             f"hostname {a}; exec {inner}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reached = wait_for(lambda: steps_of(out, 0) >= 30, proc, 100)
+    t_cut = time.time()
+    power_cut(hosts[c])
+    left = {"?": ["?"]}
+    while time.time() < t_cut + 15 and any(left.values()):
+        time.sleep(0.1)
+        left = {h: rank_processes(hosts[h]) for h in (a, b)}
+    t_gone = time.time()
+    diag = finished(proc, tmp_path)
+    assert reached, "training never reached step 30: " + diag
+    print(f"\nnormal launch, host {c} lost: launch's status {proc.returncode}, the other hosts' ranks gone "
+          f"{t_gone - t_cut:.1f} s after the cut")
+    assert not any(left.values()), f"ranks still ran {t_gone - t_cut:.1f} s after the cut: {left}"
+    lines = [x for x in diag.splitlines() if x.startswith("ulfmtrain: error: ")]
+    assert proc.returncode == 4 and len(lines) == 1, diag
+    assert f"host {c}" in lines[0] and "--agent" in lines[0], lines
+    assert t_gone - t_cut < 5, t_gone - t_cut

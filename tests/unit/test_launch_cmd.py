@@ -86,3 +86,36 @@ def test_a_btl_choice_of_the_user_is_kept(monkeypatch):
     assert "^ofi" not in mpirun_command(16, ["train"], hostfile="hosts", cores=2)   # a cluster may need ofi
     monkeypatch.setenv("OMPI_MCA_btl", "self,sm,tcp")
     assert "^ofi" not in mpirun_command(2, ["train"], cores=4)
+
+
+PRRTE_LOST = """#!/bin/sh
+echo "a rank's output"
+cat >&2 <<'END'
+--------------------------------------------------------------------------
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-head-1@0,0] on node head
+  Remote daemon: [prterun-head-1@0,2] on node node7
+
+This is usually due to either a failure of the TCP network
+--------------------------------------------------------------------------
+END
+printf ' ' >&2
+exit 0
+"""
+
+
+def test_a_job_prrte_ended_for_a_lost_host_ends_with_a_true_status_and_one_line(tmp_path, capfd):
+    """mpirun exits 0 when PRRTE ends the job for a lost daemon: launch says which host, and exits 4."""
+    from ulfmtrain.launching import lost_daemon
+
+    mpirun = tmp_path / "mpirun"
+    mpirun.write_text(PRRTE_LOST)
+    mpirun.chmod(0o755)
+    assert lost_daemon.run([str(mpirun)]) == lost_daemon.LOST_HOST == 4
+    out, err = capfd.readouterr()
+    lines = [x for x in err.splitlines() if x.startswith("ulfmtrain: error:")]
+    assert out == "a rank's output\n" and "PRTE has lost communication with a remote daemon." in err, err
+    assert len(lines) == 1 and "host node7 was lost" in lines[0] and "launch with --agent" in lines[0], err
+    mpirun.write_text("#!/bin/sh\necho 'an error' >&2\nexit 3\n")       # any other end: mpirun's own status
+    assert lost_daemon.run([str(mpirun)]) == 3 and capfd.readouterr().err == "an error\n"

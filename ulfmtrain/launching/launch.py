@@ -19,6 +19,7 @@ from pathlib import Path
 from ..core import userdir
 from ..membership import spawn_shim
 from ..transport import link
+from . import lost_daemon
 
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
 # What fault tolerance needs of mpirun.  --with-ft ulfm makes the launched job recoverable, but not the jobs that
@@ -230,8 +231,7 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
             mpirun_args += ["--wdir", os.path.abspath(wdir)]
         if keepalive is not None:
             raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
-        return subprocess.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args),
-                              timeout=timeout).returncode
+        return lost_daemon.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args), timeout)
     if not (hostfile and net):
         raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
     with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
