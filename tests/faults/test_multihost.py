@@ -426,9 +426,9 @@ def test_agent_launch_survives_a_power_cut_of_one_of_three_hosts(three_hosts, di
     assert wait_for(lambda: steps_of(out, 0) >= 30, proc, 100), "training never reached step 30"
     t_cut = time.time()
     power_cut(hosts[c], silent=True)
-    # On a cluster the head's ssh clients to the dead host give up after the keep-alive bound (launch gives
-    # ssh matching ServerAlive options) and close mpirun's output pipes, which mpirun waits for at a clean end.
-    # Here the host's own frozen processes hold those pipes: they end the same bound later.
+    # On a cluster the head's ssh clients to the dead host hold mpirun's output pipes, which mpirun waits for at a
+    # clean end: each agent kills its ssh client as it drops the host.  Here the host's own frozen processes hold
+    # those pipes: they end the same bound later.
     threading.Timer(KEEPALIVE + 1.0, signal_host, (hosts[c], "KILL")).start()
     diag = finished(proc, tmp_path)
     logs = read_rank_logs(out)
@@ -677,6 +677,35 @@ def test_ssh_agent_launch_relative_paths_and_a_cut_host(ssh_hosts, digits_dir, t
     assert all("no answer from the head node" in x for x in lines), lines
     print(f"\nssh, link of host b cut (keep-alive {KEEPALIVE:g} s): " + "; ".join(timings(logs, 0, t_cut))
           + f"; nothing of the job on b {t_gone - t_cut:.1f} s after the cut")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("keepalive", [2.0, 5.0, 10.0])
+def test_ssh_cut_link_is_detected_within_the_bound(ssh_hosts, digits_dir, tmp_path, keepalive):
+    """`launch --agent ssh --keepalive S`, host b's link cut: a's ranks learn of it between 2S/3 and S after the
+    cut (plus PRRTE's notice), whichever of the agent and ssh gives up first (3 of 4 runs at S = 10 took
+    10.6-10.9 s before), and nothing of the job stays on b past S."""
+    hosts, rsh, hostfile = ssh_hosts
+    a, b = list(hosts)
+    out = tmp_path / "out"
+    proc = start_agent_job(hosts, rsh, hostfile, a, 4, out, ["--epochs", "3"], digits_dir, keepalive=keepalive)
+    reached = wait_for(lambda: steps_of(out, 0) >= 20, proc, 100)
+    t_cut = time.time()
+    links_down(hosts[b])
+    lingering = ["?"]
+    while time.time() < t_cut + keepalive + 3 and lingering:
+        time.sleep(0.1)
+        lingering = job_processes(hosts[b])
+    t_gone = time.time()
+    diag = finished(proc, tmp_path)
+    assert reached, "training never reached step 20: " + diag
+    logs = read_rank_logs(out)
+    check_survivors(logs, [0, 1], [4, 2])
+    detected = learned(next(x for x in logs[0] if x["event"] == "recovery")) - t_cut
+    print(f"\nssh --keepalive {keepalive:g}: detected {detected:.2f} s after the cut; nothing of the job on b "
+          f"{t_gone - t_cut:.1f} s after it")
+    assert keepalive * 2 / 3 - 0.2 <= detected <= keepalive + 0.5, (detected, diag)
+    assert not lingering, f"still on host {b} {t_gone - t_cut:.1f} s after the cut: {lingering}"
 
 
 # -- the normal launch: a lost host ends the job, and says so ---------------------------------------------------
