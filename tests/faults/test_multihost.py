@@ -640,6 +640,18 @@ def job_processes(ns: str) -> list[str]:
     return procs
 
 
+def cut_off(ns: str, within: float) -> tuple[float, float, list[str]]:
+    """Cut every link of the namespace host; poll its job's processes until none is left or `within` seconds
+    passed: (the time of the cut, the time polling ended, what was left)."""
+    t_cut = time.time()
+    links_down(ns)
+    left = ["?"]
+    while time.time() < t_cut + within and left:
+        time.sleep(0.1)
+        left = job_processes(ns)
+    return t_cut, time.time(), left
+
+
 def test_ssh_agent_launch_relative_paths_and_a_cut_host(ssh_hosts, digits_dir, tmp_path):
     """`launch --agent ssh` to real sshd: relative --data and --out work on every host, the head's too (the ranks
     start in the launching directory, not the login one).  Host b's link is cut: a's ranks go on within the bound;
@@ -655,13 +667,7 @@ def test_ssh_agent_launch_relative_paths_and_a_cut_host(ssh_hosts, digits_dir, t
                            env={"ULFMTRAIN_HOST_LOG": str(host_log)})
     out = work / "out"
     reached = wait_for(lambda: steps_of(out, 0) >= 30, proc, 100)
-    t_cut = time.time()
-    links_down(hosts[b])
-    lingering = ["?"]
-    while time.time() < t_cut + KEEPALIVE + 4 and lingering:
-        time.sleep(0.2)
-        lingering = job_processes(hosts[b])
-    t_gone = time.time()
+    t_cut, t_gone, lingering = cut_off(hosts[b], KEEPALIVE + 4)
     diag = finished(proc, tmp_path)
     assert reached, "training never reached step 30: " + diag
     logs = read_rank_logs(out)
@@ -690,13 +696,7 @@ def test_ssh_cut_link_is_detected_within_the_bound(ssh_hosts, digits_dir, tmp_pa
     out = tmp_path / "out"
     proc = start_agent_job(hosts, rsh, hostfile, a, 4, out, ["--epochs", "3"], digits_dir, keepalive=keepalive)
     reached = wait_for(lambda: steps_of(out, 0) >= 20, proc, 100)
-    t_cut = time.time()
-    links_down(hosts[b])
-    lingering = ["?"]
-    while time.time() < t_cut + keepalive + 3 and lingering:
-        time.sleep(0.1)
-        lingering = job_processes(hosts[b])
-    t_gone = time.time()
+    t_cut, t_gone, lingering = cut_off(hosts[b], keepalive + 3)
     diag = finished(proc, tmp_path)
     assert reached, "training never reached step 20: " + diag
     logs = read_rank_logs(out)
