@@ -244,6 +244,8 @@ class Door:
 
     def greet(self, conn: socket.socket) -> Any:
         """Take what a pending connection sent; its link.Link once it proved the secret (the door then closes)."""
+        if conn not in self.pending:
+            return None               # dropped earlier in this batch of events
         greeting, _ = self.pending[conn]
         try:
             data = conn.recv(4096)
@@ -251,7 +253,7 @@ class Door:
             data = b""
         try:
             done = greeting.feed(data)
-        except link.LinkError as exc:
+        except (link.LinkError, OSError) as exc:
             self.drop(conn, str(exc))
             return None
         if done is not None:

@@ -38,8 +38,11 @@ def new_secret() -> str:
 def hand_secret(stream: IO[bytes], secret: str) -> None:
     """The agent's side: the secret as the first line of the remote shell's standard input, then this process's
     own standard input (what PRRTE gives the rank) passed on, from a thread, until its end."""
-    stream.write(f"{secret}\n".encode())
-    stream.flush()
+    try:
+        stream.write(f"{secret}\n".encode())
+        stream.flush()
+    except OSError:
+        return                         # the remote shell is gone already: its end comes next
 
     def pass_on() -> None:
         try:

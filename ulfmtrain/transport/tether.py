@@ -71,14 +71,14 @@ def ssh_session() -> int | None:
         return None
     pid = os.getppid()
     for _ in range(4):                # sshd, then the login shell, then `env`: exec'd or not
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            mine = Path(f"/proc/{pid}").stat().st_uid == os.getuid()
+        try:                          # (status, not the folder's owner: sshd makes itself undumpable, root's)
+            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
         except OSError:
             return None
-        if stat[stat.index("(") + 1:stat.rindex(")")].startswith("sshd"):
-            return pid if mine else None
-        pid = int(stat[stat.rindex(")") + 2:].split()[1])
+        fields = dict(x.split(":\t", 1) for x in lines if ":\t" in x)
+        if fields["Name"].startswith("sshd"):
+            return pid if int(fields["Uid"].split()[1]) == os.getuid() else None
+        pid = int(fields["PPid"])
     return None
 
 
