@@ -657,13 +657,15 @@ def test_ssh_agent_launch_relative_paths_and_a_cut_host(ssh_hosts, digits_dir, t
     start in the launching directory, not the login one).  Host b's link is cut: a's ranks go on within the bound;
     b's ranks stop with their lines in b's own log (its ssh channel is gone), and nothing of the job stays on b
     (its ssh sessions included) past the bound; launch exits 0."""
-    hosts, rsh, hostfile = ssh_hosts
+    hosts, rsh, _ = ssh_hosts
     a, b = list(hosts)
+    hostfile = tmp_path / "one-each"           # a rank per host: the head's, and the one cut off
+    hostfile.write_text(f"{a} slots=1\n{b} slots=1\n")
     work = tmp_path / "work"
     work.mkdir()
     (work / "digits").symlink_to(digits_dir)
     host_log = tmp_path / "host.log"          # the hosts share this machine's files: one log, lines by host
-    proc = start_agent_job(hosts, rsh, hostfile, a, 4, "out", ["--epochs", "6"], "digits", cwd=work,
+    proc = start_agent_job(hosts, rsh, hostfile, a, 2, "out", ["--epochs", "4"], "digits", cwd=work,
                            env={"ULFMTRAIN_HOST_LOG": str(host_log)})
     out = work / "out"
     reached = wait_for(lambda: steps_of(out, 0) >= 30, proc, 100)
@@ -672,14 +674,14 @@ def test_ssh_agent_launch_relative_paths_and_a_cut_host(ssh_hosts, digits_dir, t
     assert reached, "training never reached step 30: " + diag
     logs = read_rank_logs(out)
     starts = {r: next(x for x in recs if x["event"] == "start") for r, recs in logs.items()}
-    assert [starts[r]["host"] for r in range(4)] == [a, a, b, b], diag
-    check_survivors(logs, [0, 1], [4, 2])
+    assert [starts[r]["host"] for r in range(2)] == [a, b], diag
+    check_survivors(logs, [0], [2, 1])
     assert proc.returncode == 0, diag
     detected = learned(next(x for x in logs[0] if x["event"] == "recovery")) - t_cut
     assert KEEPALIVE * 2 / 3 - 0.2 <= detected <= KEEPALIVE + 3, (detected, diag)
     assert not lingering, f"still on host {b} {t_gone - t_cut:.1f} s after the cut: {lingering}"
     lines = [x for x in host_log.read_text().splitlines() if f" on {b} stopped: " in x] if host_log.exists() else []
-    assert sorted(x.split("rank ")[1].split()[0] for x in lines) == ["2", "3"], (lines, diag)
+    assert [x.split("rank ")[1].split()[0] for x in lines] == ["1"], (lines, diag)
     assert all("no answer from the head node" in x for x in lines), lines
     print(f"\nssh, link of host b cut (keep-alive {KEEPALIVE:g} s): " + "; ".join(timings(logs, 0, t_cut))
           + f"; nothing of the job on b {t_gone - t_cut:.1f} s after the cut")
@@ -718,11 +720,12 @@ def test_normal_launch_a_lost_host_ends_the_job_with_a_true_status(three_hosts, 
     """A daemon on every host: host c loses power (its daemon with it), which PRRTE cannot survive (NODE_LOSS.md).
     launch ends with status 4 and one line that names c and suggests --agent, and the ranks of a (mpirun's host)
     and b are gone within seconds.  (Before, launch exited 0; the review saw ranks run on for up to 10 s, here
-    they were gone in 1.0-1.3 s.)"""
-    hosts, agent, hostfile = three_hosts
+    they were gone in 0.7-1.3 s.)"""
+    hosts, agent, _ = three_hosts
     a, b, c = list(hosts)
-    out = tmp_path / "out"
-    launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", "6", "--hostfile", str(hostfile),
+    out, hostfile = tmp_path / "out", tmp_path / "one-each"
+    hostfile.write_text(f"{a} slots=1\n{b} slots=1\n{c} slots=1\n")
+    launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", "3", "--hostfile", str(hostfile),
               *[f"--mpirun-arg={x}" for x in daemon_args(agent)], "--",
               "train", "--data", str(digits_dir), "--out", str(out), "--epochs", "30", "--model", "mlp",
               "--no-progress"]
