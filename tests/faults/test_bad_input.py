@@ -133,16 +133,19 @@ def test_a_checkpoint_that_would_run_code_is_refused(mpi, digits_dir, tmp_path, 
 
     import torch
 
-    from ulfmtrain.checkpoint.format import Snapshot, write_checkpoint
+    from ulfmtrain.checkpoint.format import Snapshot, model_signature, write_checkpoint
+    from ulfmtrain.training.models import build_model
 
     planted, ckpt = tmp_path / "planted", tmp_path / "ckpt"
     buf = io.BytesIO()
     torch.save({"model": PlantsAFile(planted)}, buf)
     ckpt.mkdir()
-    write_checkpoint(ckpt, Snapshot(step=5, epoch=0, records_done=0, world_size=2, model=[],
+    # The header of the model that train builds, so that every check of the format passes (as an attacker's would).
+    write_checkpoint(ckpt, Snapshot(step=5, epoch=0, records_done=0, world_size=2,
+                                    model=model_signature(build_model("mlp")),
                                     sections={"replica": buf.getvalue(), "rng": buf.getvalue()}))
     proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(out_with_old_summary), "--ckpt-dir",
-                       str(ckpt), "--resume", "--no-progress"], 100)
+                       str(ckpt), "--resume", "--model", "mlp", "--no-progress"], 100)
     assert proc.returncode == 2 and not planted.exists(), proc.stdout + proc.stderr
     assert_one_error(proc, "ckpt-000005.pt' is refused", "GLOBAL posix.system", "a copy you trust")
     assert (out_with_old_summary / "summary.json").read_text() == '{"earlier": "run"}'
