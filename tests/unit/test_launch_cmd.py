@@ -119,3 +119,13 @@ def test_a_job_prrte_ended_for_a_lost_host_ends_with_a_true_status_and_one_line(
     assert len(lines) == 1 and "host node7 was lost" in lines[0] and "launch with --agent" in lines[0], err
     mpirun.write_text("#!/bin/sh\necho 'an error' >&2\nexit 3\n")       # any other end: mpirun's own status
     assert lost_daemon.run([str(mpirun)]) == 3 and capfd.readouterr().err == "an error\n"
+
+
+def test_wdir_is_where_every_rank_starts(tmp_path, capfd):
+    """--wdir on the normal launch (mpirun's own --wdir); under --agent the tether changes to it
+    (tests/unit/test_tether.py)."""
+    from ulfmtrain.cli import main
+
+    assert main(["launch", "-n", "1", "--wdir", str(tmp_path), "--", "python", "-c",
+                 "import os; print(os.getcwd())"]) == 0
+    assert capfd.readouterr().out.splitlines()[-1] == str(tmp_path)

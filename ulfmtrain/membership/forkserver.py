@@ -188,7 +188,8 @@ def _listen(path: str) -> socket.socket | None:
             if probe.connect_ex(path) == 0:
                 listener.close()
                 return None           # served already
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         listener.bind(path)
     os.chmod(path, 0o600)
     listener.listen(64)
