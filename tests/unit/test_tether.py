@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,3 +328,29 @@ def test_the_rank_starts_in_the_launching_directory(tmp_path):
     assert (rc, out) == (0, f"{wdir}\n"), err
     rc, out, err = end(start(tmp_path, "print('ran')", wdir=str(tmp_path / "nowhere")))
     assert rc == 1 and out == "" and f"cannot start in {tmp_path / 'nowhere'} (No such file or directory)" in err, err
+
+
+SYSLOG = """
+import socket, sys
+sys.path.insert(0, {core!r})
+import userdir
+log = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+log.bind("/dev/log")
+log.settimeout(10)
+userdir.host_log("ulfmtrain: rank 1 on h stopped: a test")
+print(log.recv(4096).decode())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a private /dev needs root and unshare")
+def test_the_stop_line_goes_to_syslog_where_there_is_one(tmp_path):
+    """host_log also sends the line to syslog (/dev/log): here a syslog of the test's own, in a mount namespace
+    with a private /dev."""
+    script = tmp_path / "syslog.py"
+    script.write_text(SYSLOG.format(core=str(TETHER.parent.parent / "core")))
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                           f"mount -t tmpfs none /dev && {sys.executable} -P {script}"], capture_output=True,
+                          text=True, timeout=30, env={**os.environ, "ULFMTRAIN_HOST_LOG": str(tmp_path / "log")})
+    assert proc.returncode == 0 and "ulfmtrain[" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("ulfmtrain: rank 1 on h stopped: a test"), proc.stdout
+    assert (tmp_path / "log").read_text().endswith("ulfmtrain: rank 1 on h stopped: a test\n")
