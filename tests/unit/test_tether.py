@@ -319,6 +319,13 @@ def test_a_tether_that_knows_the_secret_still_cannot_crash_the_agent(tmp_path):
         assert any(what in x for x in dropped), (what, err)
 
 
+def test_a_remote_shell_that_passes_no_standard_input_is_named(tmp_path):
+    """The secret travels on the remote shell's standard input: an RSH that drops it (ssh -n) gets one line."""
+    rc, out, err = end(start(tmp_path, "print('ran')", rsh_script='exec sh -c "$*" < /dev/null'))
+    assert rc == -signal.SIGKILL and out == "", err
+    assert "no job secret on standard input (the remote shell must pass the agent's standard input on" in err, err
+
+
 def test_the_rank_starts_in_the_launching_directory(tmp_path):
     """As on one host, whatever the remote login's directory: plan["wdir"] (launch's own, or --wdir)."""
     wdir = tmp_path / "work"

@@ -199,6 +199,9 @@ def main(app: list[str]) -> None:
         # The secret comes on standard input (the agent's remote shell; ssh passes no environment on), or in the
         # environment of a tether that mpirun starts itself (tests).
         secret = os.environ.get(link.SECRET_ENV) or link.read_secret(0)
+    except link.LinkError as exc:
+        sys.exit(f"{PROG}: {_where()}: {exc}")
+    try:
         head = link.call(addr, int(port), secret, int(os.environ["PMIX_RANK"]), keepalive)
     except (OSError, link.LinkError) as exc:
         print(f"{PROG}: {_where()}: cannot reach the head node at {addr}:{port} ({exc}): "
