@@ -150,7 +150,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             plan = slurm.resolve(args.n, args.spares, args.hostfile, args.agent, args.net, tmp)
             return launch(plan.ranks + args.spares, argv, hostfile=plan.hostfile,
                           mpirun_args=[*plan.mpirun_args, *args.mpirun_arg], rsh=plan.rsh, net=plan.net,
-                          keepalive=args.keepalive)
+                          keepalive=args.keepalive, wdir=args.wdir)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keepalive", type=float, default=None, metavar="S",
                    help="with --agent: a host silent for S seconds (link cut, frozen) is dropped, and stops "
                         "itself (default 10; ssh gets matching ServerAlive options)")
+    p.add_argument("--wdir", default=None, metavar="DIR",
+                   help="the directory every rank starts in, on every host (default: this one; it must exist at "
+                        "the same path on every host)")
     p.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (repeatable)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- python script.py ARGS, or -- train ...")
 

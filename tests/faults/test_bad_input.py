@@ -112,3 +112,40 @@ def test_respawn_with_another_recovery_mode_is_refused(mpi, digits_dir, tmp_path
     proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(tmp_path), "--replace", "respawn",
                        "--recovery", "restart"], 100)
     assert_one_error(proc, "--replace respawn", "--recovery shrink")
+
+
+class PlantsAFile:
+    """A pickle that runs a command creating a file, if anything loads it."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(mpi, digits_dir, tmp_path, out_with_old_summary):
+    """train --resume from a checkpoint directory someone else wrote into: the replica section is a pickle that
+    would create a file, in a file with a valid checksum.  One line, status 2, the file never appears."""
+    import io
+
+    import torch
+
+    from ulfmtrain.checkpoint.format import Snapshot, model_signature, write_checkpoint
+    from ulfmtrain.training.models import build_model
+
+    planted, ckpt = tmp_path / "planted", tmp_path / "ckpt"
+    buf = io.BytesIO()
+    torch.save({"model": PlantsAFile(planted)}, buf)
+    ckpt.mkdir()
+    # The header of the model that train builds, so that every check of the format passes (as an attacker's would).
+    write_checkpoint(ckpt, Snapshot(step=5, epoch=0, records_done=0, world_size=2,
+                                    model=model_signature(build_model("mlp")),
+                                    sections={"replica": buf.getvalue(), "rng": buf.getvalue()}))
+    proc = mpi.run(2, ["train", "--data", str(digits_dir), "--out", str(out_with_old_summary), "--ckpt-dir",
+                       str(ckpt), "--resume", "--model", "mlp", "--no-progress"], 100)
+    assert proc.returncode == 2 and not planted.exists(), proc.stdout + proc.stderr
+    assert_one_error(proc, "ckpt-000005.pt' is refused", "GLOBAL posix.system", "a copy you trust")
+    assert (out_with_old_summary / "summary.json").read_text() == '{"earlier": "run"}'

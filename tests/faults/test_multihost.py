@@ -1,7 +1,9 @@
-"""Two hosts on one machine (network namespaces with their own hostnames), TCP between them:
-every rank of one host is SIGKILLed and the other host's ranks train on.
+"""Two or three hosts on one machine (network namespaces with their own hostnames), TCP between them: hosts
+killed, cut off and frozen, under the normal launch (a daemon on every host) and under `launch --agent`.
 
-The hosts are created by this test and removed after it; no traffic leaves them.
+The hosts are created by each test and removed after it; no traffic leaves them.  Where ssh is the point (the
+login directory, the ssh sessions of a cut host, ssh giving up), each host runs a real sshd with keys made for the
+test (`ssh_hosts`); elsewhere the ranks are started in a host's namespace directly (`agent.sh`).
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ def sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
 
-def namespace_hosts(tmp_path: Path, n: int):
+def namespace_hosts(tmp_path: Path, n: int, sshd: bool = False):
     """n hosts, each a network namespace on one bridge, plus mpirun's "ssh HOST CMD" for them and a hostfile.
 
-    Each host's stderr goes to tmp_path/HOST.err, as a real host's would stay on it.
+    Each host's stderr goes to tmp_path/HOST.err, as a real host's would stay on it.  sshd: each host runs
+    sshd too, and the third item is the ssh command that reaches them (start_sshd) instead of agent.sh.
     """
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
         pytest.skip("network namespaces need root, iproute2 and unshare")
@@ -64,7 +67,7 @@ def namespace_hosts(tmp_path: Path, n: int):
         agent.chmod(0o755)
         hostfile = tmp_path / "hosts"
         hostfile.write_text("".join(f"{a} slots=2\n" for a in hosts))
-        yield hosts, agent, hostfile
+        yield hosts, (start_sshd(tmp_path, hosts) if sshd else agent), hostfile
     finally:
         for ns in hosts.values():       # what a test left running on its hosts (a frozen host included)
             signal_host(ns, "KILL")
@@ -80,6 +83,67 @@ def two_hosts(tmp_path):
 @pytest.fixture
 def three_hosts(tmp_path):
     yield from namespace_hosts(tmp_path, 3)
+
+
+@pytest.fixture
+def ssh_hosts(tmp_path):
+    """Two hosts, each running sshd; (hosts, the ssh command that reaches them, hostfile)."""
+    yield from namespace_hosts(tmp_path, 2, sshd=True)
+
+
+SSHD_CONFIG = """HostKey {d}/host_key
+AuthorizedKeysFile {d}/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+# The test's temporary folder has the permissions of its parents, which sshd's checks would refuse.
+StrictModes no
+PidFile none
+LogLevel ERROR
+"""
+SSH_CONFIG = """Host *
+  IdentityFile {d}/id
+  IdentitiesOnly yes
+  UserKnownHostsFile {d}/known_hosts
+  StrictHostKeyChecking yes
+  BatchMode yes
+  LogLevel ERROR
+"""
+
+
+def start_sshd(tmp_path: Path, hosts: dict) -> str:
+    """Start sshd on every namespace host (under the host's name, so sessions see it) with a host key and a login
+    key made for this test, and return the ssh command that reaches the hosts, host keys checked."""
+    sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not Path(sshd).exists() or not shutil.which("ssh-keygen"):
+        pytest.skip("no sshd here: apt-get install openssh-server")
+    d = tmp_path / "ssh"
+    d.mkdir(mode=0o700)
+    for key in ("host_key", "id"):
+        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key))
+    (d / "authorized_keys").write_text((d / "id.pub").read_text())
+    host_key = " ".join((d / "host_key.pub").read_text().split()[:2])
+    (d / "known_hosts").write_text("".join(f"{a} {host_key}\n" for a in hosts))
+    (d / "sshd_config").write_text(SSHD_CONFIG.format(d=d))
+    (d / "ssh_config").write_text(SSH_CONFIG.format(d=d))
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)     # sshd's privilege-separation folder
+    for addr, ns in hosts.items():
+        with open(tmp_path / f"{addr}.sshd.log", "ab") as log:
+            subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                              f"hostname {addr}; exec {sshd} -D -e -f {d}/sshd_config -o ListenAddress={addr}"],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    rsh = f"ssh -F {d}/ssh_config"
+    first = hosts[next(iter(hosts))]
+    for addr in hosts:                  # sshd is up, and the key and host key work
+        for _ in range(100):
+            if subprocess.run(["ip", "netns", "exec", first, *rsh.split(), addr, "true"], capture_output=True,
+                              timeout=30).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"sshd on {addr} never answered: {(tmp_path / f'{addr}.sshd.log').read_text()}")
+    return rsh
 
 
 def signal_host(ns: str, sig: str) -> list[str]:
@@ -281,16 +345,17 @@ def test_supervise_relaunches_without_a_host_lost_during_the_launch(two_hosts, d
 KEEPALIVE = 3.0      # the bound the tests launch with: short, yet no false alarm on a loaded 2-core machine
 
 
-def start_agent_job(hosts: dict, agent: Path, hostfile: Path, head: str, n: int, out: Path,
-                    train: list[str], digits_dir: Path) -> subprocess.Popen:
+def start_agent_job(hosts: dict, agent: Path | str, hostfile: Path, head: str, n: int, out: Path | str,
+                    train: list[str], digits_dir: Path | str, *, keepalive: float = KEEPALIVE,
+                    cwd: Path | None = None, env: dict | None = None) -> subprocess.Popen:
     """`launch --agent` run from the head host's namespace (mpirun and its daemon live there only)."""
     launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", str(n), "--hostfile", str(hostfile),
-              "--agent", str(agent), "--net", f"{SUBNET}.0/24", "--keepalive", str(KEEPALIVE), "--",
+              "--agent", str(agent), "--net", f"{SUBNET}.0/24", "--keepalive", str(keepalive), "--",
               "train", "--data", str(digits_dir), "--out", str(out), "--model", "mlp", "--no-progress", *train]
     inner = " ".join(f"'{x}'" for x in launch)
     return subprocess.Popen(["ip", "netns", "exec", hosts[head], "unshare", "--uts", "sh", "-c",
                              f"hostname {head}; exec {inner}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, cwd=cwd, env=None if env is None else {**os.environ, **env})
 
 
 def steps_of(out: Path, rank: int) -> int:
@@ -361,9 +426,9 @@ def test_agent_launch_survives_a_power_cut_of_one_of_three_hosts(three_hosts, di
     assert wait_for(lambda: steps_of(out, 0) >= 30, proc, 100), "training never reached step 30"
     t_cut = time.time()
     power_cut(hosts[c], silent=True)
-    # On a cluster the head's ssh clients to the dead host give up after the keep-alive bound (launch gives
-    # ssh matching ServerAlive options) and close mpirun's output pipes, which mpirun waits for at a clean end.
-    # Here the host's own frozen processes hold those pipes: they end the same bound later.
+    # On a cluster the head's ssh clients to the dead host hold mpirun's output pipes, which mpirun waits for at a
+    # clean end: each agent kills its ssh client as it drops the host.  Here the host's own frozen processes hold
+    # those pipes: they end the same bound later.
     threading.Timer(KEEPALIVE + 1.0, signal_host, (hosts[c], "KILL")).start()
     diag = finished(proc, tmp_path)
     logs = read_rank_logs(out)
@@ -486,18 +551,28 @@ def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):
 
     from ulfmtrain.launching import agent as agent_mod
     from ulfmtrain.launching.launch import mpirun_prefix
+    from ulfmtrain.transport import link
 
     head = socket.create_server(("127.0.0.1", 0))
     refused: list[str] = []
+    secret = link.new_secret()
 
-    def serve(conn: socket.socket) -> None:
-        with conn, conn.makefile("rwb", buffering=0) as f:
-            for line in f:
-                if line.startswith(b"c "):
-                    refused.append(line.decode().strip())
-                    f.write(b"c no 2\n")
-                elif line == b"p\n":
-                    f.write(b"p\n")
+    def serve(conn: socket.socket, rank: int) -> None:
+        """The head's end of one tether's link (it cannot tell the ranks apart before their proof: one try each)."""
+        with conn:
+            greeting, up = link.Greeting(conn, secret, rank), None
+            while up is None:
+                try:
+                    up = greeting.feed(conn.recv(4096))
+                except link.LinkError:
+                    return
+            while data := conn.recv(4096):
+                for line in up.feed(data)[0]:
+                    if line.startswith("c "):
+                        refused.append(line)
+                        up.send("c no 2")
+                    elif line == "p":
+                        up.send("p")
 
     def accept() -> None:
         while True:
@@ -505,7 +580,27 @@ def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):
                 conn, _ = head.accept()
             except OSError:
                 return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=serve, args=(conn, rank_of(conn)), daemon=True).start()
+
+    def rank_of(conn: socket.socket) -> int:
+        """The rank of the tether at the other end, from its process (this machine's /proc)."""
+        port = conn.getpeername()[1]
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].split(":")[1], 16) == port and f[3] == "01":
+                inode = f[9]
+                break
+        else:
+            raise AssertionError(f"no socket of port {port}")
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]" for fd in fds):
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    return int(next(x for x in env if x.startswith(b"PMIX_RANK=")).split(b"=")[1])
+            except (OSError, StopIteration):
+                continue
+        raise AssertionError(f"no process holds the socket of port {port}")
 
     threading.Thread(target=accept, daemon=True).start()
     out = tmp_path / "out"
@@ -514,7 +609,7 @@ def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):
            "--data", str(digits_dir), "--out", str(out), "--epochs", "3", "--model", "mlp", "--no-progress",
            "--kill", "2@20"]
     env = {**os.environ, "ULFMTRAIN_HEAD": f"127.0.0.1:{head.getsockname()[1]}",
-           "ULFMTRAIN_KEEPALIVE": str(KEEPALIVE)}
+           "ULFMTRAIN_KEEPALIVE": str(KEEPALIVE), link.SECRET_ENV: secret}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     finally:
@@ -529,3 +624,128 @@ def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):
         assert not {x["event"] for x in logs[r]} & {"recovery", "end"}, logs[r][-3:]
         assert max(x["step"] for x in logs[r] if x["event"] == "step") < 21
     assert not (out / "summary.json").exists()
+
+
+# -- real ssh: the login directory, the host's own record of a cut, the ssh sessions --------------------------
+def job_processes(ns: str) -> list[str]:
+    """The command lines of the namespace host's processes, but its sshd daemon (which serves every login)."""
+    procs = []
+    for pid in signal_host(ns, "0"):
+        try:
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue                  # ended meanwhile
+        if line and not (" -D -e -f " in line and "sshd" in line.split()[0]):
+            procs.append(f"{pid} {line}")
+    return procs
+
+
+def cut_off(ns: str, within: float) -> tuple[float, float, list[str]]:
+    """Cut every link of the namespace host; poll its job's processes until none is left or `within` seconds
+    passed: (the time of the cut, the time polling ended, what was left)."""
+    t_cut = time.time()
+    links_down(ns)
+    left = ["?"]
+    while time.time() < t_cut + within and left:
+        time.sleep(0.1)
+        left = job_processes(ns)
+    return t_cut, time.time(), left
+
+
+def test_ssh_agent_launch_relative_paths_and_a_cut_host(ssh_hosts, digits_dir, tmp_path):
+    """`launch --agent ssh` to real sshd: relative --data and --out work on every host, the head's too (the ranks
+    start in the launching directory, not the login one).  Host b's link is cut: a's ranks go on within the bound;
+    b's ranks stop with their lines in b's own log (its ssh channel is gone), and nothing of the job stays on b
+    (its ssh sessions included) past the bound; launch exits 0."""
+    hosts, rsh, _ = ssh_hosts
+    a, b = list(hosts)
+    hostfile = tmp_path / "one-each"           # a rank per host: the head's, and the one cut off
+    hostfile.write_text(f"{a} slots=1\n{b} slots=1\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "digits").symlink_to(digits_dir)
+    host_log = tmp_path / "host.log"          # the hosts share this machine's files: one log, lines by host
+    proc = start_agent_job(hosts, rsh, hostfile, a, 2, "out", ["--epochs", "4"], "digits", cwd=work,
+                           env={"ULFMTRAIN_HOST_LOG": str(host_log)})
+    out = work / "out"
+    reached = wait_for(lambda: steps_of(out, 0) >= 30, proc, 100)
+    t_cut, t_gone, lingering = cut_off(hosts[b], KEEPALIVE + 4)
+    diag = finished(proc, tmp_path)
+    assert reached, "training never reached step 30: " + diag
+    logs = read_rank_logs(out)
+    starts = {r: next(x for x in recs if x["event"] == "start") for r, recs in logs.items()}
+    assert [starts[r]["host"] for r in range(2)] == [a, b], diag
+    check_survivors(logs, [0], [2, 1])
+    assert proc.returncode == 0, diag
+    detected = learned(next(x for x in logs[0] if x["event"] == "recovery")) - t_cut
+    assert KEEPALIVE * 2 / 3 - 0.2 <= detected <= KEEPALIVE + 3, (detected, diag)
+    assert not lingering, f"still on host {b} {t_gone - t_cut:.1f} s after the cut: {lingering}"
+    lines = [x for x in host_log.read_text().splitlines() if f" on {b} stopped: " in x] if host_log.exists() else []
+    assert [x.split("rank ")[1].split()[0] for x in lines] == ["1"], (lines, diag)
+    assert all("no answer from the head node" in x for x in lines), lines
+    print(f"\nssh, link of host b cut (keep-alive {KEEPALIVE:g} s): " + "; ".join(timings(logs, 0, t_cut))
+          + f"; nothing of the job on b {t_gone - t_cut:.1f} s after the cut")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("keepalive", [2.0, 5.0, 10.0])
+def test_ssh_cut_link_is_detected_within_the_bound(ssh_hosts, digits_dir, tmp_path, keepalive):
+    """`launch --agent ssh --keepalive S`, host b's link cut: a's ranks learn of it between 2S/3 and S after the
+    cut (plus PRRTE's notice), whichever of the agent and ssh gives up first (3 of 4 runs at S = 10 took
+    10.6-10.9 s before), and nothing of the job stays on b past S."""
+    hosts, rsh, hostfile = ssh_hosts
+    a, b = list(hosts)
+    out = tmp_path / "out"
+    proc = start_agent_job(hosts, rsh, hostfile, a, 4, out, ["--epochs", "3"], digits_dir, keepalive=keepalive)
+    reached = wait_for(lambda: steps_of(out, 0) >= 20, proc, 100)
+    t_cut, t_gone, lingering = cut_off(hosts[b], keepalive + 3)
+    diag = finished(proc, tmp_path)
+    assert reached, "training never reached step 20: " + diag
+    logs = read_rank_logs(out)
+    check_survivors(logs, [0, 1], [4, 2])
+    detected = learned(next(x for x in logs[0] if x["event"] == "recovery")) - t_cut
+    print(f"\nssh --keepalive {keepalive:g}: detected {detected:.2f} s after the cut; nothing of the job on b "
+          f"{t_gone - t_cut:.1f} s after it")
+    assert keepalive * 2 / 3 - 0.2 <= detected <= keepalive + 0.5, (detected, diag)
+    assert not lingering, f"still on host {b} {t_gone - t_cut:.1f} s after the cut: {lingering}"
+
+
+# -- the normal launch: a lost host ends the job, and says so ---------------------------------------------------
+def rank_processes(ns: str) -> list[str]:
+    """The ranks of a train job still running on the namespace host (pid and command line)."""
+    return [p for p in job_processes(ns) if " train " in p and "launch" not in p]
+
+
+def test_normal_launch_a_lost_host_ends_the_job_with_a_true_status(three_hosts, digits_dir, tmp_path):
+    """A daemon on every host: host c loses power (its daemon with it), which PRRTE cannot survive (NODE_LOSS.md).
+    launch ends with status 4 and one line that names c and suggests --agent, and the ranks of a (mpirun's host)
+    and b are gone within seconds.  (Before, launch exited 0; the review saw ranks run on for up to 10 s, here
+    they were gone in 0.7-1.3 s.)"""
+    hosts, agent, _ = three_hosts
+    a, b, c = list(hosts)
+    out, hostfile = tmp_path / "out", tmp_path / "one-each"
+    hostfile.write_text(f"{a} slots=1\n{b} slots=1\n{c} slots=1\n")
+    launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", "3", "--hostfile", str(hostfile),
+              *[f"--mpirun-arg={x}" for x in daemon_args(agent)], "--",
+              "train", "--data", str(digits_dir), "--out", str(out), "--epochs", "30", "--model", "mlp",
+              "--no-progress"]
+    inner = " ".join(f"'{x}'" for x in launch)
+    proc = subprocess.Popen(["ip", "netns", "exec", hosts[a], "unshare", "--uts", "sh", "-c",
+                             f"hostname {a}; exec {inner}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reached = wait_for(lambda: steps_of(out, 0) >= 30, proc, 100)
+    t_cut = time.time()
+    power_cut(hosts[c])
+    left = {"?": ["?"]}
+    while time.time() < t_cut + 15 and any(left.values()):
+        time.sleep(0.1)
+        left = {h: rank_processes(hosts[h]) for h in (a, b)}
+    t_gone = time.time()
+    diag = finished(proc, tmp_path)
+    assert reached, "training never reached step 30: " + diag
+    print(f"\nnormal launch, host {c} lost: launch's status {proc.returncode}, the other hosts' ranks gone "
+          f"{t_gone - t_cut:.1f} s after the cut")
+    assert not any(left.values()), f"ranks still ran {t_gone - t_cut:.1f} s after the cut: {left}"
+    lines = [x for x in diag.splitlines() if x.startswith("ulfmtrain: error: ")]
+    assert proc.returncode == 4 and len(lines) == 1, diag
+    assert f"host {c}" in lines[0] and "--agent" in lines[0], lines
+    assert t_gone - t_cut < 5, t_gone - t_cut

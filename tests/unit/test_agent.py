@@ -6,6 +6,7 @@ import pytest
 
 from ulfmtrain.launching.agent import PLAN_ENV, rank_command
 from ulfmtrain.launching.launch import agent_prefix, rank_hosts
+from ulfmtrain.transport.link import SECRET_ENV
 
 
 def test_ranks_fill_hosts_slot_by_slot(tmp_path):
@@ -18,16 +19,18 @@ def test_ranks_fill_hosts_slot_by_slot(tmp_path):
 
 
 def test_rank_command_forwards_the_environment_and_the_true_locality():
-    plan = {"rsh": ["ssh", "-o", "ServerAliveInterval=1"], "hosts": ["a", "a", "b", "b"]}
-    env = {"PMIX_RANK": "3", "OMPI_MCA_x": "1 2", "HOME": "/home/someone", PLAN_ENV: json.dumps(plan)}
+    plan = {"rsh": ["ssh", "-q"], "hosts": ["a", "a", "b", "b"], "keepalive": 3.0}
+    env = {"PMIX_RANK": "3", "OMPI_MCA_x": "1 2", "HOME": "/home/someone", PLAN_ENV: json.dumps(plan),
+           SECRET_ENV: "5e" * 32}
     cmd = rank_command(plan, 3, ["python", "-m", "ulfmtrain", "train"], env)
-    assert cmd[:4] == ["ssh", "-o", "ServerAliveInterval=1", "b"]
-    remote = shlex.split(cmd[4])
+    assert cmd[0] == "ssh" and cmd[-3:-1] == ["-q", "b"] and "ServerAliveInterval=1" in cmd
+    remote = shlex.split(cmd[-1])
     assert remote[0] == "env" and remote[-4:] == ["python", "-m", "ulfmtrain", "train"]
     assigned = dict(x.split("=", 1) for x in remote[1:-4])
     assert assigned["OMPI_MCA_x"] == "1 2" and assigned["PMIX_RANK"] == "3"     # quoting survives the shell
     assert assigned["ULFMTRAIN_LOCAL_RANK"] == "1" and assigned["ULFMTRAIN_LOCAL_SIZE"] == "2"
     assert "HOME" not in assigned and PLAN_ENV not in assigned
+    assert SECRET_ENV not in assigned and "5e" * 32 not in " ".join(cmd)     # ps shows command lines
 
 
 def test_agent_launch_keeps_shared_memory_and_han_off(tmp_path):
@@ -39,3 +42,6 @@ def test_agent_launch_keeps_shared_memory_and_han_off(tmp_path):
                  "ptl_tcp_if_include 10.0.0.0/24", "pmix_remote_connections 1"):
         assert part in line, part
     assert json.loads(env[PLAN_ENV])["hosts"] == ["a", "a", "b", "b"]
+    # A new secret for each job, in the agents' environment: mpirun's command line names it only.
+    assert len(env[SECRET_ENV]) == 64 and env[SECRET_ENV] not in line and f"-x {SECRET_ENV}" in line
+    assert env[SECRET_ENV] != agent_prefix(4, str(hostfile), "ssh", "10.0.0.0/24", "/opt/ulfm/agent")[1][SECRET_ENV]

@@ -509,3 +509,78 @@ def test_a_rank_of_an_earlier_supervise_attempt_writes_no_more(tmp_path: Path) -
     tr2.train_step(), tr2.train_step()
     fresh.after_step(tr2)
     assert load_latest(tmp_path).step == 4
+
+
+class PlantsAFile:
+    """What an attacker puts in a checkpoint: loading it with pickle runs a command that creates a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.path}",))
+
+
+def tampered(directory: Path, section: str, how: str, planted: Path) -> Path:
+    """A checkpoint whose `section` is a pickle (`how`: as torch.save writes it, or plain as format 1's random
+    state was) that would create `planted`, written with a valid checksum (the writer's own code computes it: the
+    checksum detects corruption, not tampering)."""
+    import io
+    import pickle
+
+    _, snap = _snap(3)
+    payload = {"model": {}, "optimizer": PlantsAFile(planted), "step": 3, "extra": {}, "python": PlantsAFile(planted)}
+    if how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        snap.sections[section] = buf.getvalue()
+    else:
+        snap.sections[section] = pickle.dumps(payload)
+    directory.mkdir()
+    return write_checkpoint(directory, snap)
+
+
+@pytest.mark.parametrize("section, how", [("replica", "torch.save"), ("rng", "torch.save"), ("rng", "pickle")])
+def test_a_checkpoint_that_would_run_code_is_refused_with_one_line(tmp_path: Path, section: str, how: str) -> None:
+    """The review's attack: whoever can write the checkpoint directory puts in a pickle that runs a command.
+    Resuming refuses it with one line, and the command never runs (before: torch.load(weights_only=False) and
+    pickle.loads ran it, and created the file)."""
+    planted = tmp_path / "planted"
+    path = tampered(tmp_path / "ckpt", section, how, planted)
+    assert read_checkpoint(path).step == 3                    # a valid checksum: it passes the format's checks
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(tmp_path / "ckpt", every=1, resume=True).begin(FakeTrainer(seed=1))
+    assert not planted.exists()
+    msg = str(err.value)
+    assert "\n" not in msg and f"'{path}' is refused: its {section} section holds what a safe load refuses (" in msg
+    assert "restore the directory from a copy you trust" in msg
+    assert how == "pickle" or "GLOBAL posix.system" in msg, msg      # the zip's pickle names what it would call
+
+
+def test_a_registered_state_that_needs_pickle_opts_in(tmp_path: Path) -> None:
+    """An object whose state holds more than data is refused when registered, with the fix; pickle=True takes
+    it (documented: whoever can write the checkpoints can then run code), and it survives a checkpoint."""
+    from fractions import Fraction
+
+    class Odd:
+        def __init__(self) -> None:
+            self.value = Fraction(1, 3)
+
+        def state_dict(self) -> dict:
+            return {"value": self.value}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.value = state["value"]
+
+    tr = FakeTrainer()
+    with pytest.raises(TypeError, match=r"register_state\('odd', \.\.\.\): its state_dict\(\) holds what a safe "
+                                        r"load refuses .*Fraction.*pass pickle=True"):
+        tr.opt.register_state("odd", Odd())
+    odd = Odd()
+    odd.value = Fraction(2, 7)
+    tr.opt.register_state("odd", odd, pickle=True)
+    write_checkpoint(tmp_path, capture(tr))
+    back, again = FakeTrainer(seed=1), Odd()
+    back.opt.register_state("odd", again, pickle=True)
+    Checkpointer(tmp_path, every=1, resume=True).begin(back)
+    assert again.value == Fraction(2, 7)

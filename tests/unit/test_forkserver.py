@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from ulfmtrain.membership import forkserver
-from ulfmtrain.membership.spawn_shim import sockaddr
 
 pytestmark = pytest.mark.timeout(60)
 SHIM = Path(forkserver.__file__).with_name("spawn_shim.py")
@@ -48,18 +47,18 @@ def start_server(address: str, watched: int, module: str = "ulfmtrain.membership
     end = time.monotonic() + 30
     while time.monotonic() < end:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-            if s.connect_ex(sockaddr(address)) == 0:
+            if s.connect_ex(address) == 0:
                 return proc
         time.sleep(0.05)
     raise AssertionError(f"the fork server did not listen at {address} within 30 s")
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     """(address, watched process, server process); the server has done its imports."""
     watched = subprocess.Popen(["sleep", "600"])
     try:
-        address = f"@ulfmtrain-forkserver-test-{os.getpid()}"
+        address = str(tmp_path_factory.mktemp("forkserver") / "server")
         proc = start_server(address, watched.pid, env=with_scripts())
         first = shim(address, [sys.executable, "-P", "-m", "forked_child", "exit", "0"], timeout=50)
         assert first.returncode == 0 and json.loads(first.stdout)["forked"] == "1", first
@@ -134,7 +133,7 @@ def test_a_command_the_server_does_not_run_starts_from_scratch_and_says_so(serve
 
 
 def test_no_server_on_the_host_starts_from_scratch_and_says_so():
-    got = shim("@ulfmtrain-forkserver-nobody", [sys.executable, "-P", str(CHILD), "exit", "5"])
+    got = shim("/nonexistent/ulfmtrain-forkserver", [sys.executable, "-P", str(CHILD), "exit", "5"])
     assert got.returncode == 5 and json.loads(got.stdout)["forked"] is None, got
     assert got.stderr.startswith("ulfmtrain: warning: no fork server reached on this host"), got.stderr
 
@@ -147,7 +146,7 @@ def test_disabled_the_spawn_command_is_the_newcomers_own(monkeypatch):
 
 
 def test_the_server_and_its_children_end_with_the_process_it_watches(tmp_path):
-    watched, address = subprocess.Popen(["sleep", "600"]), f"@ulfmtrain-forkserver-test-end-{os.getpid()}"
+    watched, address = subprocess.Popen(["sleep", "600"]), str(tmp_path / "server")
     try:
         proc = start_server(address, watched.pid)
         p, said = start_shim(address, [sys.executable, "-P", str(CHILD)])
@@ -159,10 +158,10 @@ def test_the_server_and_its_children_end_with_the_process_it_watches(tmp_path):
     assert p.wait(timeout=10) == -signal.SIGKILL
 
 
-def test_a_shim_and_its_child_killed_at_once_leave_the_server_serving():
+def test_a_shim_and_its_child_killed_at_once_leave_the_server_serving(tmp_path):
     """Both deaths in one batch of events, the child's reaped first: the shim's event that follows must not
     kill the freed pid (it ended the server, and with it every newcomer of the host)."""
-    watched, address = subprocess.Popen(["sleep", "600"]), f"@ulfmtrain-forkserver-test-batch-{os.getpid()}"
+    watched, address = subprocess.Popen(["sleep", "600"]), str(tmp_path / "server")
     try:
         proc = start_server(address, watched.pid, module="batching_forkserver",
                             env=with_scripts(), stderr=subprocess.PIPE, text=True)
@@ -180,3 +179,85 @@ def test_a_shim_and_its_child_killed_at_once_leave_the_server_serving():
         watched.kill()
         watched.wait()
     proc.wait(timeout=10)
+
+
+FAKE_SERVER = """
+import json, socket, sys
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(sys.argv[1])
+listener.listen(1)
+print("listening", flush=True)
+conn, _ = listener.accept()
+data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+if data or fds:
+    with open(sys.argv[2], "w") as f:
+        json.dump({"env": sorted(json.loads(data)["env"]), "fds": len(fds)}, f)
+    conn.send(json.dumps({"pid": 1}).encode())
+    conn.send(json.dumps({"status": 0}).encode())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user (uid 65534) needs root")
+def test_a_fork_server_of_another_user_gets_nothing(tmp_path):
+    """The review's attack: a fake server run by another user (nobody, uid 65534) holds the address a newcomer's
+    shim connects to.  The shim checks the server's credentials (SO_PEERCRED) before it sends anything: no
+    environment, no standard streams; the newcomer starts from scratch, says so once, and ends with its own
+    status (the fake server's 0 must not become it)."""
+    import shutil
+    import tempfile
+
+    lair = Path(tempfile.mkdtemp(prefix="ulfmtrain-fake-"))      # a folder the stranger owns, outside ours
+    try:
+        os.chown(lair, 65534, 65534)
+        address, loot = lair / "forkserver", lair / "loot.json"
+        fake = subprocess.Popen(["/usr/bin/python3", "-I", "-c", FAKE_SERVER, str(address), str(loot)], user=65534,
+                                group=65534, extra_groups=[], stdout=subprocess.PIPE, text=True)
+        try:
+            assert fake.stdout.readline() == "listening\n"
+            got = shim(str(address), [sys.executable, "-P", str(CHILD), "exit", "5"],
+                       env={**os.environ, "SECRET_OF_THE_NEWCOMER": "x"})
+        finally:
+            fake.kill()
+            fake.wait()
+        assert not loot.exists(), loot.read_text()                # nothing was handed over
+        assert got.returncode == 5 and json.loads(got.stdout)["forked"] is None, got
+        lines = got.stderr.splitlines()
+        assert len(lines) == 1 and "runs as uid 65534, not as this user" in lines[0], got.stderr
+    finally:
+        shutil.rmtree(lair)
+
+
+def test_the_servers_socket_lives_in_a_folder_only_this_user_can_enter(tmp_path, monkeypatch, capsys):
+    """Not the abstract namespace, where any local user can connect first or take the name: this user's private
+    folder, made 0700.  A folder of that name that is someone else's, open to others, or a link is refused with
+    one line, and newcomers start from scratch."""
+    import tempfile
+
+    from ulfmtrain.core import userdir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv(forkserver.ADDRESS_ENV, raising=False)
+    monkeypatch.setenv("PMIX_NAMESPACE", "job@1")
+    monkeypatch.setattr(forkserver, "_warned", [])
+    folder = tmp_path / f"ulfmtrain-{os.getuid()}"
+    where = forkserver.address()
+    assert where and Path(where).parent == folder and (folder.stat().st_mode & 0o777) == 0o700, where
+    command = [sys.executable, "-P", "-m", "ulfmtrain", "train"]
+    assert forkserver.wrap(command)[-len(command) - 1:] == [where, *command]
+    folder.chmod(0o755)
+    with pytest.raises(userdir.UnsafeFolder, match="mode drwxr-xr-x"):
+        userdir.private_dir()
+    folder.rmdir()
+    folder.symlink_to(tmp_path)
+    with pytest.raises(userdir.UnsafeFolder, match="a link"):
+        userdir.private_dir()
+    folder.unlink()
+    if os.geteuid() == 0:                                   # another user took the name first
+        folder.mkdir(mode=0o700)
+        os.chown(folder, 65534, 65534)
+    else:
+        folder.mkdir(mode=0o777)
+    capsys.readouterr()
+    assert forkserver.wrap(command) == command and forkserver.wrap(command) == command
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a folder of this user's closed to others" in err, err

@@ -4,26 +4,29 @@ import sys
 import pytest
 
 from ulfmtrain.launching.launch import mpirun_command, mpirun_prefix, warm_start
-from ulfmtrain.membership.spawn_shim import ADDRESS_ENV, ENABLE_ENV
+from ulfmtrain.membership.spawn_shim import ADDRESS_ENV, ENABLE_ENV, PID_ENV
 
 
 @pytest.fixture(autouse=True)
 def cold(monkeypatch):
     """The commands as a user's launch builds them: no warm fork server named (the suite names its own)."""
     monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    monkeypatch.delenv(PID_ENV, raising=False)
 
 
 def test_a_named_fork_server_starts_the_ranks_it_can_run_as_its_forks(monkeypatch):
-    monkeypatch.setenv(ADDRESS_ENV, "@warm")
+    monkeypatch.setenv(ADDRESS_ENV, "/x/warm")
     train = [sys.executable, "-P", "-m", "ulfmtrain", "train"]
     shim = mpirun_command(2, ["train"], cores=8)[-10:-5]
-    assert shim[:3] == [sys.executable, "-I", "-S"] and shim[3].endswith("spawn_shim.py") and shim[4] == "@warm"
+    assert shim[:3] == [sys.executable, "-I", "-S"] and shim[3].endswith("spawn_shim.py") and shim[4] == "/x/warm"
+    monkeypatch.setenv(PID_ENV, "123")          # the server's process, known: the shim checks it is the one there
+    assert mpirun_command(2, ["train"], cores=8)[-12:-5][4:7] == ["--pid", "123", "/x/warm"]
     assert mpirun_command(2, ["train"], cores=8)[-5:] == train
     assert warm_start([sys.executable, "script.py"])[-2:] == [sys.executable, "script.py"]
     # What the server does not run, another host's ranks, and a disabled server: started from scratch.
     for cmd in ([sys.executable, "-c", "pass"], ["./my_program"], [sys.executable]):
         assert warm_start(cmd) == cmd
-    assert mpirun_command(2, ["train"], hostfile="hosts")[-5:] == train and "@warm" not in mpirun_command(
+    assert mpirun_command(2, ["train"], hostfile="hosts")[-5:] == train and "/x/warm" not in mpirun_command(
         2, ["train"], hostfile="hosts")
     monkeypatch.setenv(ENABLE_ENV, "0")
     assert warm_start(train) == train
@@ -83,3 +86,46 @@ def test_a_btl_choice_of_the_user_is_kept(monkeypatch):
     assert "^ofi" not in mpirun_command(16, ["train"], hostfile="hosts", cores=2)   # a cluster may need ofi
     monkeypatch.setenv("OMPI_MCA_btl", "self,sm,tcp")
     assert "^ofi" not in mpirun_command(2, ["train"], cores=4)
+
+
+PRRTE_LOST = """#!/bin/sh
+echo "a rank's output"
+cat >&2 <<'END'
+--------------------------------------------------------------------------
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-head-1@0,0] on node head
+  Remote daemon: [prterun-head-1@0,2] on node node7
+
+This is usually due to either a failure of the TCP network
+--------------------------------------------------------------------------
+END
+printf ' ' >&2
+exit 0
+"""
+
+
+def test_a_job_prrte_ended_for_a_lost_host_ends_with_a_true_status_and_one_line(tmp_path, capfd):
+    """mpirun exits 0 when PRRTE ends the job for a lost daemon: launch says which host, and exits 4."""
+    from ulfmtrain.launching import lost_daemon
+
+    mpirun = tmp_path / "mpirun"
+    mpirun.write_text(PRRTE_LOST)
+    mpirun.chmod(0o755)
+    assert lost_daemon.run([str(mpirun)]) == lost_daemon.LOST_HOST == 4
+    out, err = capfd.readouterr()
+    lines = [x for x in err.splitlines() if x.startswith("ulfmtrain: error:")]
+    assert out == "a rank's output\n" and "PRTE has lost communication with a remote daemon." in err, err
+    assert len(lines) == 1 and "host node7 was lost" in lines[0] and "launch with --agent" in lines[0], err
+    mpirun.write_text("#!/bin/sh\necho 'an error' >&2\nexit 3\n")       # any other end: mpirun's own status
+    assert lost_daemon.run([str(mpirun)]) == 3 and capfd.readouterr().err == "an error\n"
+
+
+def test_wdir_is_where_every_rank_starts(tmp_path, capfd):
+    """--wdir on the normal launch (mpirun's own --wdir); under --agent the tether changes to it
+    (tests/unit/test_tether.py)."""
+    from ulfmtrain.cli import main
+
+    assert main(["launch", "-n", "1", "--wdir", str(tmp_path), "--", "python", "-c",
+                 "import os; print(os.getcwd())"]) == 0
+    assert capfd.readouterr().out.splitlines()[-1] == str(tmp_path)

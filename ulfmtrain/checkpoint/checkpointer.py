@@ -6,7 +6,6 @@ implements that protocol (the Trainer, a test double) can be checkpointed.
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -14,8 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..core.modes import CheckpointStrategy, Phase, parse
+from ..training import serialize
 from ..transport import faults
 from .format import (
+    Checkpoint,
     CheckpointError,
     Snapshot,
     Warn,
@@ -138,7 +139,20 @@ def capture(state: TrainingState) -> Snapshot:
     return Snapshot(
         step=state.step, epoch=state.epoch, records_done=state.records_done, world_size=state.comm.size,
         model=model_signature(state.model),
-        sections={"replica": state.replica_state(), "rng": pickle.dumps(rng_state(), protocol=5)})
+        sections={"replica": state.replica_state(), "rng": serialize.dumps(rng_state())})
+
+
+def check_safe(ck: Checkpoint) -> None:
+    """CheckpointError unless every section loads as data only: a checkpoint directory someone else can write
+    must not run code as the user who resumes from it (serialize.py)."""
+    for name, blob in ck.sections.items():
+        try:
+            serialize.loads(blob)
+        except serialize.UnsafeState as exc:
+            raise CheckpointError(f"checkpoint '{ck.path}' is refused: its {name} section holds what a safe load "
+                                  f"refuses ({exc}); ulfmtrain writes no such thing, so the file was changed "
+                                  "(its checksum proves no more than the writer's care): restore the directory "
+                                  "from a copy you trust, or start without --resume") from None
 
 
 def _job_id() -> str:
@@ -354,6 +368,7 @@ class Checkpointer:
             if self.directory.is_dir():
                 remove_stale_temporaries(self.directory)   # left by a writer that was killed
             ck = load_latest(self.directory, warn=self._warn)
+            check_safe(ck)
             check_model(ck, self._training.model)
             return ("ok", str(ck.path), ck.header, ck.sections)
         except CheckpointError as exc:
@@ -369,7 +384,7 @@ class Checkpointer:
             raise CheckpointError(msg[1])
         _, path, header, sections = msg
         state.load_replica_state(sections["replica"])   # the sampler state re-plans itself for this world
-        set_rng_state(pickle.loads(sections["rng"]))
+        set_rng_state(serialize.loads(sections["rng"]))
         sampler = getattr(state, "sampler", None)
         # What the audit needs to count the records committed before the checkpoint as seen (audit.py).
         left = {} if sampler is None else {

@@ -19,7 +19,9 @@ epoch, the model's tensor names/shapes/dtypes, and each section's length; its
 ``crc32`` field is the checksum of all section bytes.  The sections are
 ``replica`` (``DistributedOptimizer.get_state()``: model, optimizer state,
 step and registered extra state such as the sampler position) and ``rng``
-(the Python, NumPy and torch generator states, pickled).
+(the Python, NumPy and torch generator states), both written by torch.save
+and read by torch.load(weights_only=True): a checkpoint holds data, never
+code (training/serialize.py).  Version 1 pickled the ``rng`` section.
 
 ``latest`` is a small JSON file naming the newest committed checkpoint.  Both
 are written as: temporary file in the same directory -> fsync -> rename ->
@@ -50,7 +52,7 @@ __all__ = [
 
 MAGIC = b"ULFMCKPT"
 FORMAT = "ulfmtrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LATEST = "latest"
 OWNER = "owner"     # the number of the supervise attempt that may write here (claim)
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
@@ -212,6 +214,10 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"checkpoint '{path}' {what}") from None
     try:
         header = json.loads(head)
+        if header.get("format") == FORMAT and header.get("version") == 1:
+            raise CheckpointError(f"checkpoint '{path}' is of format 1, which pickles its random state (a load "
+                                  "could run code): resume it with the ulfmtrain that wrote it, or start a fresh "
+                                  "--ckpt-dir")
         if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
             raise ValueError(f"format {header.get('format')!r} version {header.get('version')!r}")
         lengths = [(s["name"], int(s["bytes"])) for s in header["sections"]]

@@ -148,7 +148,7 @@ class EpochSampler:
         """Everything needed to continue identically (saved with the replica and in checkpoints)."""
         return {"epoch": self.epoch, "holdings": {w: list(r) for w, r in self.holdings.items()},
                 "queues": {w: q.copy() for w, q in self.queues.items()}, "cursors": dict(self.cursors),
-                "dropped": dict(self.dropped), "policy": self.policy, "batch": self.batch, "seed": self.seed,
+                "dropped": dict(self.dropped), "policy": str(self.policy), "batch": self.batch, "seed": self.seed,
                 "taken": None if self.taken is None else dict(self.taken)}   # a spare may join a redo
 
     def load_state(self, state: Mapping[str, Any]) -> None:

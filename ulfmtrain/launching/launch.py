@@ -16,7 +16,10 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from ..core import userdir
 from ..membership import spawn_shim
+from ..transport import link
+from . import lost_daemon
 
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
 # What fault tolerance needs of mpirun.  --with-ft ulfm makes the launched job recoverable, but not the jobs that
@@ -102,7 +105,7 @@ def warm_start(cmd: list[str]) -> list[str]:
         spawn_shim.served(cmd)
     except ValueError:
         return cmd
-    return [sys.executable, "-I", "-S", spawn_shim.__file__, address, *cmd]
+    return spawn_shim.command_line(address, cmd)
 
 
 @contextlib.contextmanager
@@ -114,25 +117,33 @@ def warm_server() -> Iterator[None]:
     if spawn_shim.ADDRESS_ENV in os.environ or os.environ.get(spawn_shim.ENABLE_ENV) == "0":
         yield
         return
-    address = f"@ulfmtrain-warm-{os.getpid()}"
+    try:
+        address = str(userdir.private_dir() / f"warm-{os.getpid()}")
+    except userdir.UnsafeFolder as exc:
+        print(f"ulfmtrain: warning: {exc}: every rank starts from scratch", file=sys.stderr, flush=True)
+        yield
+        return
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
     server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", address,
                                str(os.getpid()), "--keep"], env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    os.environ[spawn_shim.ADDRESS_ENV] = address
+    os.environ.update({spawn_shim.ADDRESS_ENV: address, spawn_shim.PID_ENV: str(server.pid)})
     try:
         yield
     finally:
-        del os.environ[spawn_shim.ADDRESS_ENV]
+        del os.environ[spawn_shim.ADDRESS_ENV], os.environ[spawn_shim.PID_ENV]
         server.kill()
         server.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(address)        # killed: it could not
 
 
 def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:
     """`-x NAME` for each ULFMTRAIN_* variable set here (kills, event log, spares) and OMP_NUM_THREADS, so every
     rank sees it, on every host."""
     # (Not the fork server's address: it is this host's.)
-    named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"} | {spawn_shim.ADDRESS_ENV}
+    named = {b for a, b in zip(mpirun_args, mpirun_args[1:]) if a == "-x"} | {spawn_shim.ADDRESS_ENV,
+                                                                             spawn_shim.PID_ENV}
     wanted = [k for k in sorted(os.environ) if k.startswith("ULFMTRAIN_") or k == "OMP_NUM_THREADS"]
     return [w for k in wanted if k not in named for w in ("-x", k)]
 
@@ -168,25 +179,19 @@ def rank_hosts(hostfile: str, n: int) -> list[str]:
 DEFAULT_KEEPALIVE = 10.0
 
 
-def ssh_keepalive(rsh: list[str], keepalive: float) -> list[str]:
-    """ssh's own keep-alives derived from the bound: it gives up after about `keepalive` seconds of silence."""
-    if not rsh or Path(rsh[0]).name != "ssh":
-        return rsh
-    interval = max(1, round(keepalive / 3))
-    count = max(1, int(keepalive // interval))   # ssh gives up after about interval * count s of silence
-    return [rsh[0], "-o", f"ServerAliveInterval={interval}", "-o", f"ServerAliveCountMax={count}",
-            "-o", f"ConnectTimeout={max(1, math.ceil(keepalive))}", *rsh[1:]]
-
-
 def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_args: Sequence[str] = (), *,
-                 keepalive: float = DEFAULT_KEEPALIVE, directory: str = "") -> tuple[list[str], dict[str, str]]:
+                 keepalive: float = DEFAULT_KEEPALIVE, directory: str = "",
+                 wdir: str | None = None) -> tuple[list[str], dict[str, str]]:
     """mpirun with its only daemon here, every rank started on its host by the exec agent; and its environment.
 
     The PMIx server listens on the cluster network NET (a CIDR); shared memory
     stays off (Open MPI believes every rank is local), and so does han.  Each
     rank runs under a tether that keeps a link to its agent alive: a host
-    silent for `keepalive` seconds is dropped (agent.py, tether.py).
-    directory holds the agents' lock files (the launch's own temporary folder).
+    silent for `keepalive` seconds is dropped (agent.py, tether.py); the link
+    proves a secret made here for the job, which the agents get in their
+    environment (never on a command line).  Every rank starts in wdir (default:
+    this directory).  directory holds the agents' lock files (the launch's own
+    temporary folder).
     """
     if not (isinstance(keepalive, (int, float)) and math.isfinite(keepalive) and keepalive > 0):
         raise ValueError(f"--keepalive {keepalive!r}: give a positive number of seconds (default "
@@ -196,33 +201,37 @@ def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_a
     except ValueError:
         raise ValueError(f"--net {net!r} is not a network in CIDR form: give one like 10.0.0.0/24") from None
     tether = [sys.executable, "-P", str(Path(__file__).parent.parent / "transport" / "tether.py")]
-    plan = {"rsh": ssh_keepalive(shlex.split(rsh), keepalive), "hosts": rank_hosts(hostfile, n), "net": net,
-            "keepalive": keepalive, "tether": tether, "dir": directory}
+    plan = {"rsh": shlex.split(rsh), "hosts": rank_hosts(hostfile, n), "net": net, "keepalive": keepalive,
+            "tether": tether, "dir": directory, "wdir": os.path.abspath(wdir or os.getcwd())}
     cmd = [find_mpirun(), *FT_ARGS, "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
            "--bind-to", "none", "--prtemca", "odls_base_exec_agent", agent,
            "--prtemca", "pmix_remote_connections", "1", "--pmixmca", "ptl_tcp_if_include", net,
            "--pmixmca", "gds", "hash", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,
-           "--prtemca", "oob_tcp_if_include", net, "--mca", "coll", "^han", "-x", "ULFMTRAIN_AGENT_PLAN"]
+           "--prtemca", "oob_tcp_if_include", net, "--mca", "coll", "^han", "-x", "ULFMTRAIN_AGENT_PLAN",
+           "-x", link.SECRET_ENV]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    return cmd + list(mpirun_args), {"ULFMTRAIN_AGENT_PLAN": json.dumps(plan)}
+    return cmd + list(mpirun_args), {"ULFMTRAIN_AGENT_PLAN": json.dumps(plan), link.SECRET_ENV: link.new_secret()}
 
 
 def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
            mpirun_args: Sequence[str] = (), timeout: float | None = None,
-           rsh: str | None = None, net: str | None = None, keepalive: float | None = None) -> int:
+           rsh: str | None = None, net: str | None = None, keepalive: float | None = None,
+           wdir: str | None = None) -> int:
     """Run the job and return mpirun's exit code (judge success by what the ranks wrote).
 
     With rsh (and a hostfile and net): no daemon on the compute hosts, so the
     loss of a whole host is survived (see ulfmtrain/launching/agent.py); a silent host
-    is dropped after `keepalive` seconds (default 10).
+    is dropped after `keepalive` seconds (default 10).  Every rank starts in
+    wdir (default: this directory), on every host.
     """
     mpirun_args = [*exported_env(mpirun_args), *mpirun_args]
     if rsh is None:
+        if wdir is not None:
+            mpirun_args += ["--wdir", os.path.abspath(wdir)]
         if keepalive is not None:
             raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
-        return subprocess.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args),
-                              timeout=timeout).returncode
+        return lost_daemon.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args), timeout)
     if not (hostfile and net):
         raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
     with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
@@ -233,6 +242,7 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
                          f'{shlex.quote(str(Path(__file__).with_name("agent.py")))} "$@"\n')
         agent.chmod(0o755)
         cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args,
-                                keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp)
+                                keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp,
+                                wdir=wdir)
         cmd += program(argv)
         return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode

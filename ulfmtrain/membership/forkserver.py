@@ -10,7 +10,10 @@ module or script as Python would, calling MPI_Init as the spawned process.  The 
 Without a server on the host (another host, or ULFMTRAIN_FORKSERVER=0) the shim execs the command.
 
 The server lives until the parent of the rank that started it (PRRTE's daemon) ends; its children die with
-it.  It serves only its own user (SO_PEERCRED), and only `python [-P] (-m MODULE | SCRIPT)` of its own interpreter.
+it.  Its socket lives in this user's private folder on the host (core/userdir.py: 0700; not the abstract
+namespace, where any local user could connect first or take the name), each side checks the other's
+credentials (SO_PEERCRED: the same user), and it runs only `python [-P] (-m MODULE | SCRIPT)` of its own
+interpreter.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import hashlib
 import importlib
 import json
 import os
@@ -25,13 +29,12 @@ import runpy
 import selectors
 import signal
 import socket
-import struct
 import subprocess
 import sys
-from pathlib import Path
 
+from ..core import userdir
 from ..transport import exits, lifecycle
-from .spawn_shim import ADDRESS_ENV, ENABLE_ENV, MAX_MESSAGE, served, sockaddr
+from .spawn_shim import ADDRESS_ENV, ENABLE_ENV, HOST, MAX_MESSAGE, command_line, on_this_host, peer, served
 
 FORKED_ENV = "ULFMTRAIN_FORKED"            # set in a newcomer that the server forked
 # What a newcomer imports before it says it is ready (respawn imports PRELOAD in a newcomer that started
@@ -46,16 +49,31 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1") != "0"
 
 
-def address() -> str:
-    """This job's server address on this host: an abstract socket (one per network namespace, no file)."""
-    return os.environ.get(ADDRESS_ENV) or f"@ulfmtrain-forkserver-{os.environ.get('PMIX_NAMESPACE', '')}"
+def address() -> str | None:
+    """This job's server address: a socket in this user's private folder, one per host (HOST); None, said once,
+    where that folder cannot be trusted."""
+    if os.environ.get(ADDRESS_ENV):
+        return os.environ[ADDRESS_ENV]
+    try:
+        folder = userdir.private_dir()
+    except userdir.UnsafeFolder as exc:
+        if not _warned:
+            _warned.append(1)
+            print(f"ulfmtrain: warning: {exc}: newcomers start from scratch", file=sys.stderr, flush=True)
+        return None
+    job = hashlib.sha256(os.environ.get("PMIX_NAMESPACE", "").encode()).hexdigest()[:16]
+    return str(folder / f"forkserver-{job}-{HOST}")
+
+
+_warned: list[int] = []
 
 
 def wrap(command: list[str]) -> list[str]:
     """The spawn command that starts `command` as a fork of the server, or `command` itself when disabled."""
-    if not enabled():
+    where = address() if enabled() else None
+    if where is None:
         return command
-    return [sys.executable, "-I", "-S", str(Path(__file__).with_name("spawn_shim.py")), address(), *command]
+    return command_line(where, command)
 
 
 _server: subprocess.Popen[bytes] | None = None    # the server this rank started
@@ -66,12 +84,13 @@ def start() -> subprocess.Popen[bytes] | None:
     from ..training.device import local_rank
 
     global _server
-    if not enabled() or local_rank() != 0 or ADDRESS_ENV in os.environ:
+    where = address() if enabled() and local_rank() == 0 and ADDRESS_ENV not in os.environ else None
+    if where is None:
         return None
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_ENV)}
     # Its own session (a kill of this rank must not end it); no standard streams of this rank: PRRTE counts a
     # process as ended only once its output pipes close.
-    _server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", address(),
+    _server = subprocess.Popen([sys.executable, "-P", "-m", "ulfmtrain.membership.forkserver", where,
                                 str(os.getppid())], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     exits.at_leave(drain)
@@ -148,9 +167,36 @@ def _become(request: dict, fds: list[int], server: int) -> None:
 def serve(address: str, watch: int, keep: bool = False) -> None:
     """Fork a newcomer for each shim that connects, until process `watch` ends.  keep: serve many jobs (the test
     suite's server, `launch`'s ranks under $ULFMTRAIN_FORKSERVER_AT): a job's end (drain) does not end it."""
+    path = on_this_host(address)
+    listener = _listen(path)       # first: a shim that comes during the imports waits for them
+    if listener is None:
+        return
+    try:
+        _serve(listener, watch, keep)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _listen(path: str) -> socket.socket | None:
+    """A listening socket at path; a stale one (its server gone) is replaced; None when a live server has it."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(sockaddr(address))       # first: a shim that comes during the imports waits for them
+    try:
+        listener.bind(path)
+    except OSError:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+            if probe.connect_ex(path) == 0:
+                listener.close()
+                return None           # served already
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        listener.bind(path)
+    os.chmod(path, 0o600)
     listener.listen(64)
+    return listener
+
+
+def _serve(listener: socket.socket, watch: int, keep: bool) -> None:
     try:
         ended = os.pidfd_open(watch)
     except ProcessLookupError:
@@ -224,8 +270,7 @@ def _reap() -> tuple[int, int] | None:
 
 def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
     """Fork a child for the shim on `conn` and tell it the pid; 0 when it was refused."""
-    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    if uid != os.getuid():
+    if peer(conn)[1] != os.getuid():
         return 0
     fds: list[int] = []
     try:

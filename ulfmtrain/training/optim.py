@@ -20,6 +20,7 @@ from mpi4py import MPI
 from ..core.modes import Phase
 from ..transport import faults, stall
 from ..transport.comm import AttemptFailed
+from . import serialize
 from .buckets import BufferBucket, make_buckets
 from .config import DEFAULT_BUCKET_BYTES
 from .extra_state import ExtraState
@@ -185,15 +186,25 @@ class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
         """Make more state (e.g. the sampler) part of what survivors keep identical and hand over."""
         self._extra.register(name, get, set)
 
-    def register_state(self, name: str, obj: Any) -> None:
+    def register_state(self, name: str, obj: Any, *, pickle: bool = False) -> None:
         """Hand `obj` (anything with state_dict() and load_state_dict(): an LR scheduler, a GradScaler, your
-        own object) to every replacement with the model and the optimizer.
+        own object) to every replacement with the model and the optimizer, and keep it in checkpoints.
 
-        A replacement that received the state before `obj` existed loads it here, when you register it.
+        A replacement that received the state before `obj` existed loads it here, when you register it.  Its
+        state is loaded as data only (tensors, numbers, strings, lists, dicts, numpy arrays), checked here;
+        pickle=True is the opt-in for a state that holds other objects: it travels pickled, and loading it runs
+        whatever the bytes say, so only if you trust whoever can write your checkpoints (docs/security.md).
         """
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"register_state({name!r}, ...): a {type(obj).__name__} has no state_dict() and "
                             "load_state_dict()")
+        if pickle:
+            import pickle as pickle_module
+
+            self.register_extra_state(name, lambda: pickle_module.dumps(obj.state_dict()),
+                                      lambda blob: obj.load_state_dict(pickle_module.loads(blob)))
+            return
+        serialize.check_loadable(name, obj.state_dict())
         self.register_extra_state(name, obj.state_dict, obj.load_state_dict)
 
     def expect_samples(self, samples: int | None) -> None:

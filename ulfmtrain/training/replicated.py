@@ -7,7 +7,6 @@ the hand-over to replacements, and the checksum that proves the replicas identic
 from __future__ import annotations
 
 import contextlib
-import io
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ import torch
 
 from ..transport import faults
 from ..transport.comm import StartOver
+from . import serialize
 from .buckets import crc32_tensors
 
 if TYPE_CHECKING:
@@ -79,14 +79,12 @@ class ReplicatedState:
         state["extra"] = self._extra.get() if extra else {}
         if extra and self._rng is not None:
             state["rng"] = self._rng.state()
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        return buf.getvalue()
+        return serialize.dumps(state)
 
     def set_state(self, blob: bytes) -> None:
-        """Take a state made by get_state()."""
+        """Take a state made by get_state(): loaded as data only (serialize.loads: UnsafeState for anything else)."""
         # On the host: load_state_dict copies to the parameters' device (which may differ from the sender's).
-        state = torch.load(io.BytesIO(blob), weights_only=False, map_location="cpu")
+        state = serialize.loads(blob)
         if self.model is not None:
             self.model.load_state_dict(state["model"])
         else:
