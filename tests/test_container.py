@@ -69,7 +69,7 @@ def image() -> Iterator[str]:
     if base:
         args += ["--build-arg", f"BASE={base}"]
     elif (docker("image", "inspect", default_base(), check=False).returncode
-          and docker("pull", default_base(), timeout=900, check=False).returncode):
+          and docker("pull", default_base(), timeout=300, check=False).returncode):
         pytest.skip(f"the Dockerfile's base {default_base()} cannot be pulled: set ULFMTRAIN_DOCKER_BASE "
                     "(docker/debootstrap-base.sh makes one)")
     t0 = time.monotonic()
