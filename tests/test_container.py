@@ -101,8 +101,10 @@ def wait_for_steps(container: str, log: str, steps: int, bound: float) -> None:
     """Until the rank log `log` inside `container` holds `steps` step records (the job trains)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < bound:
-        text = docker("exec", container, "cat", log, check=False).stdout
-        done = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+        read = docker("exec", container, "cat", log, check=False)
+        if "is not running" in read.stderr:
+            break
+        done = [json.loads(line) for line in read.stdout.split("\n")[:-1] if line.strip()]
         if sum(r["event"] == "step" for r in done) >= steps:
             return
         time.sleep(0.5)
@@ -222,6 +224,9 @@ def test_two_containers_as_two_hosts_survive_losing_one(image, digits_volume, tm
     finally:
         proc.kill()
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    # Nothing of the job outlives launch on the head: no agent, ssh client, mpirun or rank.
+    left = docker("exec", a, "ps", "-eo", "args=").stdout.splitlines()
+    assert not [p for p in left if re.search(r"-m ulfmtrain|agent\.py|tether\.py|prterun|prted|mpirun|^ssh ", p)], left
     logs = copy_out(a, out, tmp_path / "run")
     starts = {r: next(x for x in recs if x["event"] == "start") for r, recs in logs.items()}
     assert [starts[r]["host"] for r in range(4)] == [a, a, b, b]
