@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..core.modes import DataPolicy
+from ..core.refusal import refuse
 from .hooks import SamplerHooks
 from .plan import holdings_of, plan_recovery
 from .sampler import EpochSampler
 from .steps import Step, is_placeholder, min_size, pad, placeholder_step, plan_epoch, share
-from .verdict import Books, refuse
+from .verdict import Books
 
 if TYPE_CHECKING:
     from ..training.optim import DistributedOptimizer

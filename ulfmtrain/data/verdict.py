@@ -17,22 +17,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .loader import ExactlyOnceSampler
 
-PROG = "ulfmtrain"
-_refused = False           # a refusal is on its way out: the end judges nothing more
-
-
-class Refused(SystemExit):
-    """The loop and the plan disagree: this rank leaves with status 1 (the line is printed once, above)."""
-
-
-def refuse(line: str, *, speak: bool = True) -> None:
-    """End this rank with status 1 after one line (printed where `speak`: the lowest survivor, when every rank
-    meets the same refusal)."""
-    global _refused
-    _refused = True
-    if speak:
-        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
-    raise Refused(1)
+from ..core.refusal import PROG, refused
 
 
 class Books:
@@ -119,7 +104,7 @@ def judge_at_exit(sampler: ExactlyOnceSampler) -> None:
     from ..transport import exits
 
     comm = sampler.comm
-    if _refused or exits.leaving() or not hasattr(comm, "finalize"):
+    if refused() or exits.leaving() or not hasattr(comm, "finalize"):
         return
     line = sampler.verdict()
     log = sampler._log
