@@ -144,7 +144,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         return launch(args.n + args.spares, argv, hostfile=args.hostfile, mpirun_args=args.mpirun_arg,
-                      rsh=args.agent, net=args.net, keepalive=args.keepalive)
+                      rsh=args.agent, net=args.net, keepalive=args.keepalive, slots=args.n)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
