@@ -118,7 +118,7 @@ class ExactlyOnceSampler:
             # This rank alone: it leaves, and the survivors go on without it.
             refuse(f"set_epoch({epoch}) on a replacement while the job is in epoch {self.epoch}: the loop restarted "
                    f"its own epoch counter; loop with `for epoch in sampler.epochs(0, E)` (it starts a "
-                   f"replacement at the job's epoch)")
+                   f"replacement at the job's epoch)", speak=True)
         self._end_pass()
         self._start(epoch)
 

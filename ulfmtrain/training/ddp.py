@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core.refusal import refuse
+from ..core.refusal import refuse, set_speaker
 
 if TYPE_CHECKING:
     from ..transport.comm import Comm
@@ -55,10 +55,6 @@ class _Done(dist._Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._future
-
-
-def _speak() -> bool:
-    return _comm is None or _comm.rank == 0
 
 
 def _in_ddp_constructor() -> bool:
@@ -91,7 +87,7 @@ class _Group(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
         if torch._C._current_graph_task_id() != -1:
             refuse("a DistributedDataParallel module reduced its gradients itself, outside the fault-tolerant step: "
-                   "pass it to the optimizer, DistributedOptimizer(opt, comm, model=ddp_model)", speak=_speak())
+                   "pass it to the optimizer, DistributedOptimizer(opt, comm, model=ddp_model)")
         op = opts.reduceOp.op.name if opts is not None else "SUM"
         for t in tensors:
             allreduce(self._c, t, op)
@@ -116,14 +112,14 @@ class _Group(dist.ProcessGroup):
         if not _in_ddp_constructor():
             refuse(f"torch.distributed.{what} in a fault-tolerant job: it does not survive a failure; the state "
                    "the ranks share travels with the optimizer (comm.track), and a metric goes through "
-                   "dist.all_reduce or comm.allreduce", speak=_speak())
+                   "dist.all_reduce or comm.allreduce")
 
 
 def allreduce(comm: Comm, t: torch.Tensor, op: str = "SUM") -> None:
     """Reduce `t` in place over the ranks training now, as one transaction of `comm` (AVG: the mean).  The one
     place the default group's reductions reach the communicator."""
     if op not in _OPS:
-        refuse(f"dist.all_reduce with op {op}: give one of {', '.join(_OPS)}", speak=_speak())
+        refuse(f"dist.all_reduce with op {op}: give one of {', '.join(_OPS)}")
     from mpi4py import MPI
 
     send = t.detach().to("cpu", copy=True).contiguous().numpy()
@@ -139,7 +135,7 @@ def allreduce(comm: Comm, t: torch.Tensor, op: str = "SUM") -> None:
 def _refuse_distributed_sampler(self: Any, *args: Any, **kwargs: Any) -> None:
     refuse("DistributedSampler gives each rank a fixed share of the data, which a failure loses or repeats: use "
            "ulfmtrain.ExactlyOnceSampler(len(dataset), comm, opt, batch_size=B, seed=S[, drop_last=True]) as the "
-           "DataLoader's batch_sampler (set_epoch and len() work alike)", speak=_speak(), status=2)
+           "DataLoader's batch_sampler (set_epoch and len() work alike)", status=2)
 
 
 def init_default_group(comm: Comm) -> None:
@@ -147,13 +143,14 @@ def init_default_group(comm: Comm) -> None:
     group another backend made (dist.init_process_group before connect()) with one line."""
     global _comm
     _comm = comm
+    set_speaker(lambda: comm.rank == 0)       # a refusal every rank meets: the lowest survivor says it
     if not dist.is_available():
         return
     if dist.is_initialized():
         if dist.get_backend() != BACKEND:
             refuse(f"torch.distributed's default group is {dist.get_backend()}'s (dist.init_process_group before "
                    "ulfmtrain.connect()): a rank's death breaks it; remove that call, connect() makes the group "
-                   "DistributedDataParallel needs", speak=_speak(), status=2)
+                   "DistributedDataParallel needs", status=2)
         return
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, lambda store, rank, size, timeout: _Group(_comm_now()),
@@ -174,16 +171,15 @@ def adopt(opt: DistributedOptimizer) -> None:
     if not wraps_ddp(ddp):
         return
     assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
-    speak = opt.comm.rank == 0
     if dist.is_initialized() and ddp.process_group is not dist.distributed_c10d._get_default_group():
         refuse("this DistributedDataParallel runs on a process group of its own, which a failure breaks: build it "
-               "without process_group= (connect() made the default group)", speak=speak, status=2)
+               "without process_group= (connect() made the default group)", status=2)
     if getattr(ddp, "static_graph", False) or getattr(ddp, "mixed_precision", None) is not None:
         refuse("DistributedDataParallel(static_graph=True) and (mixed_precision=...) reduce inside DDP, outside "
-               "the fault-tolerant step: leave them out (torch.autocast works)", speak=speak, status=2)
+               "the fault-tolerant step: leave them out (torch.autocast works)", status=2)
     if any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.modules()):
         refuse("SyncBatchNorm gathers statistics in forward, outside the fault-tolerant step: use BatchNorm (its "
-               "running statistics are averaged over the ranks at every step)", speak=speak, status=2)
+               "running statistics are averaged over the ranks at every step)", status=2)
     ddp.require_backward_grad_sync = False       # DDP's reducer stays out of every backward
     ddp.require_forward_param_sync = False       # and its forward broadcasts no buffers
     ddp.no_sync = opt.no_sync                    # type: ignore[method-assign]  # `with model.no_sync():`

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from mpi4py import MPI
 
+from ..core.refusal import refuse
 from ..transport.comm import AttemptFailed
 from .buckets import GradBucket
 
@@ -88,8 +89,10 @@ class Overlap:
         if self._weight is not None and torch._C._current_graph_task_id() != self._task:
             self.abandon()                 # the backward that started this step raised (an OOM)
         if self._committed():
-            raise OverlapError("a backward after the step was reduced and before opt.step(): call opt.step() "
-                               "(or zero_grad()) first, or accumulate micro-batches inside `with opt.no_sync():`")
+            # Every rank's loop does the same: a refusal of one line, not a traceback on each rank.
+            refuse("overlap=True reduced the gradients and finished the step in the last backward, and another "
+                   "backward came before opt.step(): accumulate micro-batches with the backward of every one but "
+                   "the last inside `with opt.no_sync():` (or the DDP model's no_sync()), or call opt.step() first")
         if id(p) in self._fired:
             raise OverlapError("a gradient was accumulated twice in one step: accumulate micro-batches "
                                "inside `with opt.no_sync():` and step after the last backward")
