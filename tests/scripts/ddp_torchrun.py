@@ -73,7 +73,7 @@ def main():
         json.dump({"rank": rank, "world": world, "checksum": crc, "accuracy": accuracy,
                    "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                           "MASTER_ADDR", "MASTER_PORT")}}, f)
-    if rank == 0:
+    if dist.get_rank() == 0:
         torch.save(model.module.state_dict(), os.path.join(args.out, "model.pt"))
     dist.destroy_process_group()
 

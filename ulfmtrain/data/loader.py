@@ -107,6 +107,11 @@ class ExactlyOnceSampler:
             self._log("start", count=count, job=self.job,
                       config={"data_policy": str(DataPolicy.EXACTLY_ONCE), "batch": batch_size, "seed": seed,
                               "accumulate": accumulate, "drop_last": drop_last})
+        if not _live:
+            # At a first sampler: after the exit protocol's own step (registered when MPI started), so this
+            # one runs before it (atexit runs the last registered first).
+            atexit.unregister(_judge_at_exit)
+            atexit.register(_judge_at_exit)
         _live.add(self)
 
     # -- epochs ---------------------------------------------------------------------
@@ -355,6 +360,3 @@ def _judge_at_exit() -> None:
 
     for sampler in list(_live):
         judge_at_exit(sampler)
-
-
-atexit.register(_judge_at_exit)

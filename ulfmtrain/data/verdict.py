@@ -104,7 +104,7 @@ def judge_at_exit(sampler: ExactlyOnceSampler) -> None:
     from ..transport import exits
 
     comm = sampler.comm
-    if refused() or exits.leaving() or not hasattr(comm, "finalize"):
+    if refused() or exits.left_failed() or not hasattr(comm, "finalize"):
         return
     line = sampler.verdict()
     log = sampler._log

@@ -57,15 +57,19 @@ class _Done(dist._Work):
         return self._future
 
 
-def _in_ddp_constructor() -> bool:
-    """Called from DistributedDataParallel.__init__ (its initial check and broadcast of the module)."""
-    code = torch.nn.parallel.DistributedDataParallel.__init__.__code__
+def _ddp_caller() -> str | None:
+    """The DistributedDataParallel method this collective comes from (its constructor's initial check and
+    broadcast of the module, its forward's buffer broadcast), or None: the script's own."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is code:
-            return True
+        if wraps_ddp(frame.f_locals.get("self")):
+            return frame.f_code.co_name
         frame = frame.f_back
-    return False
+    return None
+
+
+_NOT_ADOPTED = ("a DistributedDataParallel module communicates itself, outside the fault-tolerant step: pass it "
+                "to the optimizer, DistributedOptimizer(opt, comm, model=ddp_model)")
 
 
 class _Group(dist.ProcessGroup):
@@ -85,9 +89,8 @@ class _Group(dist.ProcessGroup):
         return BACKEND
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
-        if torch._C._current_graph_task_id() != -1:
-            refuse("a DistributedDataParallel module reduced its gradients itself, outside the fault-tolerant step: "
-                   "pass it to the optimizer, DistributedOptimizer(opt, comm, model=ddp_model)")
+        if torch._C._current_graph_task_id() != -1 or _ddp_caller():
+            refuse(_NOT_ADOPTED)
         op = opts.reduceOp.op.name if opts is not None else "SUM"
         for t in tensors:
             allreduce(self._c, t, op)
@@ -109,10 +112,14 @@ class _Group(dist.ProcessGroup):
         return _Done(outputs)
 
     def _only_in_ddp(self, what: str) -> None:
-        if not _in_ddp_constructor():
-            refuse(f"torch.distributed.{what} in a fault-tolerant job: it does not survive a failure; the state "
-                   "the ranks share travels with the optimizer (comm.track), and a metric goes through "
-                   "dist.all_reduce or comm.allreduce")
+        caller = _ddp_caller()
+        if caller == "__init__":
+            return
+        if caller is not None:
+            refuse(_NOT_ADOPTED)
+        refuse(f"torch.distributed.{what} in a fault-tolerant job: it does not survive a failure; the state "
+               "the ranks share travels with the optimizer (comm.track), and a metric goes through "
+               "dist.all_reduce or comm.allreduce")
 
 
 def allreduce(comm: Comm, t: torch.Tensor, op: str = "SUM") -> None:

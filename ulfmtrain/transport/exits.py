@@ -44,6 +44,7 @@ _POLL_S = 0.0005
 
 _wrappers: list[weakref.ref] = []
 _left = False              # the exit protocol ran (an exception's): the end of the program must not run it again
+_left_failed = False       # ... for a failure
 _previous_hook = sys.excepthook
 _installed = False
 _armed = False
@@ -76,9 +77,9 @@ def at_leave(end: Callable[[], None]) -> None:
         _at_leave.append(end)
 
 
-def leaving() -> bool:
-    """The exit protocol ran already (an uncaught exception's): the program's end judges nothing."""
-    return _left
+def left_failed() -> bool:
+    """The exit protocol ran for a failure (an uncaught exception): the program's end judges nothing."""
+    return _left_failed
 
 
 def end_with(status: int) -> None:
@@ -175,8 +176,8 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
 
 def leave(failed: bool) -> None:
     """The exit protocol (see the module's docstring); returns only when every member is leaving."""
-    global _left
-    _left = True
+    global _left, _left_failed
+    _left, _left_failed = True, failed
     from mpi4py import MPI
 
     from .stall import die_told
