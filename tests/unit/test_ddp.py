@@ -90,8 +90,10 @@ class FakeComm:
 @pytest.fixture
 def group():
     comm = FakeComm()
-    sampler_init = torch.utils.data.distributed.DistributedSampler.__init__
+    sampler_init, hook = torch.utils.data.distributed.DistributedSampler.__init__, sys.excepthook
     ddp.init_default_group(comm)
+    # torch's prefixing hook would capture the exit protocol's traceback and then the rank dies unheard.
+    assert sys.excepthook is hook
     yield comm
     dist.destroy_process_group()
     torch.utils.data.distributed.DistributedSampler.__init__ = sampler_init

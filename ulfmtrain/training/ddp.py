@@ -162,7 +162,11 @@ def init_default_group(comm: Comm) -> None:
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, lambda store, rank, size, timeout: _Group(_comm_now()),
                                       devices=["cpu", "cuda"])
+    hook = sys.excepthook
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=comm.rank, world_size=comm.size)
+    # torch's own hook runs the previous one with stderr captured, to prefix it: the exit protocol's (exits.py)
+    # then dies by SIGKILL with the traceback unwritten.  Ours stays.
+    sys.excepthook = hook
     torch.utils.data.distributed.DistributedSampler.__init__ = _refuse_distributed_sampler   # type: ignore
 
 
