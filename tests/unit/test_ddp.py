@@ -118,9 +118,11 @@ def test_the_default_group_is_the_communicators(group, capsys):
     assert refused.value.code == 2 and "ExactlyOnceSampler" in capsys.readouterr().err
 
 
-def test_an_adopted_ddp_module_leaves_the_reduction_to_the_optimizer(group):
+@pytest.mark.parametrize("kwargs", [{}, {"gradient_as_bucket_view": True}, {"find_unused_parameters": True}])
+def test_an_adopted_ddp_module_leaves_the_reduction_to_the_optimizer(group, kwargs):
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)))
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)),
+                **kwargs)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), group, model=model, bucket_bytes=64)
     assert opt.overlap is not None                   # DDP's semantics: the mean when backward returns
     assert not model.require_backward_grad_sync and model.no_sync == opt.no_sync
@@ -135,6 +137,13 @@ def test_an_adopted_ddp_module_leaves_the_reduction_to_the_optimizer(group):
         torch.testing.assert_close(p.grad, 2 * g)
     opt.step()
     opt.close()
+
+
+def test_a_static_graph_is_refused_at_the_optimizer(group, capsys):
+    model = DDP(torch.nn.Linear(4, 2), static_graph=True)
+    with pytest.raises(Refused) as refused:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), group, model=model)
+    assert refused.value.code == 2 and "static_graph=True" in capsys.readouterr().err
 
 
 def test_a_ddp_module_the_optimizer_never_saw_is_refused_at_its_backward(group, capsys):
