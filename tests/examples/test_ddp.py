@@ -34,16 +34,16 @@ def _ours(out: Path) -> set[int]:
     return found - {os.getpid()}
 
 
-def launch(script: str, out: Path, *args: str, spares: int = 0, kill: str | None = None
+def launch(script: str, out: Path, *args: str, n: int = 3, spares: int = 0, kill: str | None = None
            ) -> subprocess.CompletedProcess:
-    """SCRIPT OUT ARGS on 3 ranks under launch, events in OUT/events; fail if it hangs or outlives mpirun."""
+    """SCRIPT OUT ARGS on n ranks under launch, events in OUT/events; fail if it hangs or outlives mpirun."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "ULFMTRAIN_EVENTS": str(out / "events")}
     for var in ("ULFMTRAIN_KILL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     if kill:
         env["ULFMTRAIN_KILL"] = kill
-    cmd = [sys.executable, "-m", "ulfmtrain", "launch", "-n", "3", "--spares", str(spares), "--", "python",
+    cmd = [sys.executable, "-m", "ulfmtrain", "launch", "-n", str(n), "--spares", str(spares), "--", "python",
            str(SCRIPTS / script), str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND_S, env=env)
     deadline = time.monotonic() + 2.0
@@ -104,6 +104,18 @@ def test_the_fault_tolerant_ddp_script_survives_a_sigkill_of_rank_0(tmp_path):
     assert len(rows) == 2 and all(r.exact for r in rows), rows
     assert rows[1].dropped > 0 and rows[1].seen + rows[1].dropped == 240     # drop_last on 2 ranks, by design
     assert (tmp_path / "model.pt").exists()           # saved by dist.get_rank() == 0: the lowest survivor
+
+
+@pytest.mark.long
+def test_the_fault_tolerant_ddp_script_survives_an_exception_on_one_rank(tmp_path):
+    proc = launch("ddp_fault_tolerant.py", tmp_path, n=4, kill="2@2/raise")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
+    res = results(tmp_path)
+    assert sorted(res) == [0, 1, 3]
+    one_replica(res)
+    rows = audit_logs(read_rank_logs(tmp_path / "events"))
+    assert len(rows) == 2 and all(r.exact for r in rows), rows
 
 
 @pytest.mark.long

@@ -202,3 +202,20 @@ def test_epochs_trains_the_last_epochs_last_step_in_one_more_pass(tmp_path):
     one_replica(res)
     exact(tmp_path, 2)
     assert all(len(r["accuracy"]) == 3 for r in res.values())     # the loop's body ran once more
+
+
+@pytest.mark.long
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_spare_in_a_range_loop_without_set_epoch_is_refused_and_the_survivors_go_on(tmp_path):
+    """The spare's `for epoch in range(3)` restarts at 0: it trains the job's epoch in phase, then, at the next
+    epoch, refuses with one line (it would train epochs the survivors never reach) and leaves; the survivors
+    shrink and finish, every record once per epoch."""
+    proc = launch("hf_accumulate.py", tmp_path, *HF, "--k", "1", "--no-plan", "--metric", "none",
+                  "--loop", "range", "--epochs", "3", spares=1, kill="1@20")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("ulfmtrain: error:")]
+    assert len(lines) == 1 and "a loop without set_epoch on a replacement" in lines[0], proc.stderr[-3000:]
+    res = results(tmp_path)
+    assert sorted(res) == [0, 2] and all(r["history"][-1] == 2 for r in res.values()), res
+    one_replica(res)
+    exact(tmp_path, 3)

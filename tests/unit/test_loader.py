@@ -206,6 +206,19 @@ def test_a_replacement_takes_the_plan_and_the_position():
     assert newcomer.opt.samples == 4
 
 
+def test_a_replacement_in_a_loop_without_set_epoch_is_refused_at_the_next_epoch(capsys):
+    """Its `for epoch in range(E)` restarted at 0: it would train epochs the survivors never reach."""
+    ranks = [rank(w, [0, 1], 40, 4) for w in range(2)]
+    newcomer = rank(1, [0, 1], 40, 4)
+    newcomer.comm.takeover = {"root": 0}
+    newcomer.s.load_state(ranks[1].s.state())
+    for _ in newcomer.loader:                         # the rest of the job's epoch: in phase
+        newcomer.opt.commit()
+    with pytest.raises(Refused):
+        iter(newcomer.loader)
+    assert "sampler.epochs(0, E)" in capsys.readouterr().err
+
+
 def test_a_loop_that_accumulates_without_telling_the_sampler_is_stopped_at_the_end_of_its_pass(capsys):
     """k=1 planned, the loop steps every 4 micro-batches: the pass ends with steps uncommitted."""
     (r,) = [rank(0, [0], 40, 4, workers=0)]

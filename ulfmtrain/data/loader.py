@@ -94,6 +94,7 @@ class ExactlyOnceSampler:
         self._handed = 0                                # micro-batches of this plan handed to the DataLoader
         self._checked = -1                              # the step whose accumulation was checked (overlap)
         self._per_step: int | None = None               # backward passes before this pass's first commit
+        self._told = False                              # this rank's loop calls set_epoch (or epochs())
         self._log = getattr(comm, "event_log", None) or None
         self._start(0)
         self.hooks.on_commit(self._committed)
@@ -117,6 +118,7 @@ class ExactlyOnceSampler:
     # -- epochs ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Plan `epoch` (DistributedSampler's convention); the epoch in progress (a replacement's) is kept."""
+        self._told = True
         if epoch == self.epoch:
             return
         if epoch < self.epoch and getattr(self.comm, "takeover", None) is not None:
@@ -176,6 +178,11 @@ class ExactlyOnceSampler:
     def __iter__(self) -> Iterator[list[int]]:
         self._end_pass()
         if self.done >= len(self.step_epoch):
+            if not self._told and getattr(self.comm, "takeover", None) is not None:
+                # This rank alone: it leaves, and the survivors go on without it.
+                refuse(f"a loop without set_epoch on a replacement: it cannot tell which of the script's epochs "
+                       f"follows the job's epoch {self.epoch}; loop with `for epoch in sampler.epochs(0, E)` (it "
+                       "starts a replacement at the job's epoch)", speak=True)
             self._start(self.epoch + 1)          # a loop without set_epoch: the next epoch (carried steps first)
         self._pass = _Batches(self)
         self._pass_backwards, self._per_step = self.hooks.backwards, None
