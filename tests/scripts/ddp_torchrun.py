@@ -65,6 +65,8 @@ def main():
             correct = torch.tensor([float((model(xt).argmax(1) == yt).sum())])
         dist.all_reduce(correct)
         accuracy.append(float(correct) / (len(test_set) * dist.get_world_size()))
+        if dist.get_rank() == 0:
+            print(f"epoch {epoch}: accuracy {accuracy[-1]:.3f}")
     state = model.module.state_dict()
     crc = 0
     for k in sorted(state):

@@ -91,12 +91,14 @@ if args.loop == "epochs":
     for epoch in sampler.epochs(0, args.epochs):
         train_epoch()
         accuracy.append(evaluate())
+        print(f"epoch {epoch}: accuracy {accuracy[-1]:.3f}")
 else:
     for epoch in range(args.epochs):
         if args.loop == "set_epoch":
             sampler.set_epoch(epoch)
         train_epoch()
         accuracy.append(evaluate())
+        print(f"epoch {epoch}: accuracy {accuracy[-1]:.3f}")
 
 with open(os.path.join(args.out, f"rank{comm.world_rank}.json"), "w") as f:
     json.dump({"checksum": opt.checksum(), "steps": opt.step_count, "history": comm.world_history,

@@ -35,7 +35,9 @@ loader = DataLoader(dataset, batch_sampler=sampler)
 for epoch in sampler.epochs(0, 2):
     for x, y in loader:
         model.zero_grad()                     # set_to_none: the embedding's gradient comes back sparse
-        F.cross_entropy(model["head"](model["embed"](x)), y).backward()
+        loss = F.cross_entropy(model["head"](model["embed"](x)), y)
+        loss.backward()
         opt.step()
+    print(f"epoch {epoch}: last loss {loss.item():.3f}")
 with open(os.path.join(args.out, f"rank{comm.world_rank}.json"), "w") as f:
     json.dump({"checksum": opt.checksum(), "steps": opt.step_count, "history": comm.world_history}, f)

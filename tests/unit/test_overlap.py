@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from ulfmtrain.training.optim import FTSGD
 from ulfmtrain.core.refusal import Refused
+from ulfmtrain.training.optim import FTSGD
 
 
 def make(fake_comm, overlap, bucket_bytes=256, unused=False):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from ulfmtrain.core.refusal import Refused
 from ulfmtrain.training.buckets import GradBucket
 from ulfmtrain.training.optim import FTSGD
-from ulfmtrain.core.refusal import Refused
 from ulfmtrain.training.overlap import OverlapError
 from ulfmtrain.training.streams import OrderError, StandInStreams
 from ulfmtrain.transport.comm import AttemptFailed

@@ -19,7 +19,7 @@ class SamplerHooks:
     """The commits, attempts, replicated state and step weights of the optimizer whose steps consume batches."""
 
     def __init__(self, opt: DistributedOptimizer) -> None:
-        import torch    # here: ulfmtrain.data imports without torch
+        import torch  # here: ulfmtrain.data imports without torch
 
         self.opt = opt
         self._graph_task = torch._C._current_graph_task_id

@@ -23,7 +23,6 @@ the sampler was not told of) is found (verdict.py) and the job ends with one lin
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import uuid
 import weakref

@@ -10,12 +10,9 @@ stops mid-epoch) is not judged: nothing proves it wrong, and the `audit` command
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .loader import ExactlyOnceSampler
 
 from ..core.refusal import PROG, refused
 
@@ -98,9 +95,9 @@ def log_verdict(directory: str, job: str, slots: int) -> str | None:
     return None
 
 
-def judge_at_exit(sampler: ExactlyOnceSampler) -> None:
-    """At the end of a script that ran its loop to the end: its verdict; a job that was not exact ends with
-    status 1 once the ranks have left together (exits.end_with), after one line on the lowest survivor."""
+def judge_at_exit(sampler: Any) -> None:
+    """At the end of a script, an ExactlyOnceSampler's verdict: a job that was not exact ends with status 1 once
+    the ranks have left together (exits.end_with), after one line on the lowest survivor."""
     from ..transport import exits
 
     comm = sampler.comm

@@ -60,8 +60,8 @@ def connect(events: str | Path | None = None, *, require_fault_tolerance: bool |
               f"(run `{launch_hint()}`)", file=sys.stderr, flush=True)
         from mpi4py import MPI
 
-        from ..transport.comm import PlainComm
         from ..training.ddp import init_default_group
+        from ..transport.comm import PlainComm
 
         comm: Any = PlainComm(MPI.COMM_SELF)
         attach_events(comm, events)

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ..membership import spawn_shim
@@ -154,13 +154,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun_env(slots: int, master: str, environ: dict[str, str] | None = None) -> list[str]:
+def torchrun_env(slots: int, master: str, environ: Mapping[str, str] | None = None) -> list[str]:
     """The prefix that sets torchrun's variables in each rank, from what mpirun (or the agent, for the local
     ranks) tells it: RANK, WORLD_SIZE (the training slots), LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT (launch's own unless set here), then execs the rank's program.  A POSIX shell: a few ms."""
-    environ = os.environ if environ is None else environ
-    addr = environ.get("MASTER_ADDR") or master
-    port = environ.get("MASTER_PORT") or str(free_port())
+    env = os.environ if environ is None else environ
+    addr = env.get("MASTER_ADDR") or master
+    port = env.get("MASTER_PORT") or str(free_port())
     script = ('export RANK="$OMPI_COMM_WORLD_RANK" WORLD_SIZE=' + shlex.quote(str(slots)) +
               ' LOCAL_RANK="${ULFMTRAIN_LOCAL_RANK:-$OMPI_COMM_WORLD_LOCAL_RANK}"'
               ' LOCAL_WORLD_SIZE="${ULFMTRAIN_LOCAL_SIZE:-$OMPI_COMM_WORLD_LOCAL_SIZE}"'

@@ -57,6 +57,6 @@ def main(out_dir: str) -> int:
               f"not called {policy}")
         return NOT_JUDGED
     dropped = sum(r.dropped for r in rows)
-    print(f"{policy}: " + ("every record exactly once per epoch" if not skipped else f"epochs {skipped} skipped records")
-          + (f" ({dropped} dropped by design: drop_last)" if dropped else ""))
+    verdict = "every record exactly once per epoch" if not skipped else f"epochs {skipped} skipped records"
+    print(f"{policy}: {verdict}" + (f" ({dropped} dropped by design: drop_last)" if dropped else ""))
     return 0

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from ..core.refusal import refuse, set_speaker
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from ..transport.comm import Comm
-    from .optim import DistributedOptimizer
 
 BACKEND = "ulfmtrain"
 _comm: Comm | None = None
@@ -60,7 +61,7 @@ class _Done(dist._Work):
 def _ddp_caller() -> str | None:
     """The DistributedDataParallel method this collective comes from (its constructor's initial check and
     broadcast of the module, its forward's buffer broadcast), or None: the script's own."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if wraps_ddp(frame.f_locals.get("self")):
             return frame.f_code.co_name
@@ -76,7 +77,7 @@ class _Group(dist.ProcessGroup):
     """The default group of a fault-tolerant job: the communicator's ranks, collectives as its transactions."""
 
     def __init__(self, comm: Comm) -> None:
-        super().__init__(comm.rank, comm.size)
+        super().__init__(comm.rank, comm.size)      # type: ignore[call-arg]  # the stub knows (store, ...) only
         self._c = comm
 
     def rank(self) -> int:
@@ -88,7 +89,7 @@ class _Group(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:  # type: ignore[override]
         if torch._C._current_graph_task_id() != -1 or _ddp_caller():
             refuse(_NOT_ADOPTED)
         op = opts.reduceOp.op.name if opts is not None else "SUM"
@@ -100,11 +101,12 @@ class _Group(dist.ProcessGroup):
         self._c.barrier()
         return _Done(None)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:  # type: ignore[override]
         self._only_in_ddp("broadcast")
         return _Done(tensors)
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist._Work:
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> dist._Work:
         self._only_in_ddp("all_gather")
         for out, t in zip(outputs, inputs):
             for o in out:
@@ -175,7 +177,7 @@ def _comm_now() -> Comm:
     return _comm
 
 
-def adopt(opt: DistributedOptimizer) -> None:
+def adopt(opt: Any) -> None:
     """If the optimizer's model is a DistributedDataParallel: check what is out of reach (one line each), switch
     DDP's reducer off and make its no_sync() the optimizer's (see the module's docstring)."""
     ddp = opt.model

@@ -20,8 +20,8 @@ from mpi4py import MPI
 from ..core.modes import Phase
 from ..transport import faults, stall
 from ..transport.comm import AttemptFailed
-from .buckets import BufferBucket, make_buckets
 from . import ddp
+from .buckets import BufferBucket, make_buckets
 from .config import DEFAULT_BUCKET_BYTES
 from .extra_state import ExtraState
 from .overlap import Overlap
