@@ -13,10 +13,7 @@ from __future__ import annotations
 import ast
 import difflib
 import json
-import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,28 +26,9 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 BOUND_S = 180
 
 
-def _ours(out: Path) -> set[int]:
-    found = {int(p) for p in subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()}
-    return found - {os.getpid()}
-
-
-def launch(script: str, out: Path, *args: str, n: int = 3, spares: int = 0, kill: str | None = None
-           ) -> subprocess.CompletedProcess:
-    """SCRIPT OUT ARGS on n ranks under launch, events in OUT/events; fail if it hangs or outlives mpirun."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "ULFMTRAIN_EVENTS": str(out / "events")}
-    for var in ("ULFMTRAIN_KILL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    if kill:
-        env["ULFMTRAIN_KILL"] = kill
-    cmd = [sys.executable, "-m", "ulfmtrain", "launch", "-n", str(n), "--spares", str(spares), "--", "python",
-           str(SCRIPTS / script), str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND_S, env=env)
-    deadline = time.monotonic() + 2.0
-    while _ours(out) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _ours(out), "a process of the job outlived mpirun"
-    return proc
+def run(mpi, script: str, out: Path, *args: str, **how) -> subprocess.CompletedProcess:
+    """SCRIPT OUT ARGS under launch (n, spares, kill), as a user runs it (tests/conftest.py's launch_script)."""
+    return mpi.launch(SCRIPTS / script, out, list(args), BOUND_S, **how)
 
 
 def results(out: Path) -> dict[int, dict]:
@@ -62,9 +40,9 @@ def one_replica(res: dict[int, dict]) -> int:
     return next(iter(res.values()))["checksum"]
 
 
-def test_an_unchanged_torchrun_script_runs_under_launch_after_one_warning(tmp_path):
+def test_an_unchanged_torchrun_script_runs_under_launch_after_one_warning(mpi, tmp_path):
     """Before, it stopped at "environment variable RANK expected"."""
-    proc = launch("ddp_torchrun.py", tmp_path)
+    proc = run(mpi, "ddp_torchrun.py", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("without fault tolerance") == 1, proc.stderr[-3000:]
     res = results(tmp_path)
@@ -93,8 +71,8 @@ def test_the_fault_tolerant_script_changes_a_few_lines_of_the_torchrun_one():
     assert len(removed) <= 7 and len(diff) <= 14, "\n".join(diff)
 
 
-def test_the_fault_tolerant_ddp_script_survives_a_sigkill_of_rank_0(tmp_path):
-    proc = launch("ddp_fault_tolerant.py", tmp_path, kill="0@3")
+def test_the_fault_tolerant_ddp_script_survives_a_sigkill_of_rank_0(mpi, tmp_path):
+    proc = run(mpi, "ddp_fault_tolerant.py", tmp_path, kill="0@3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "without fault tolerance" not in proc.stderr, proc.stderr[-3000:]
     res = results(tmp_path)
@@ -107,8 +85,8 @@ def test_the_fault_tolerant_ddp_script_survives_a_sigkill_of_rank_0(tmp_path):
 
 
 @pytest.mark.long
-def test_the_fault_tolerant_ddp_script_survives_an_exception_on_one_rank(tmp_path):
-    proc = launch("ddp_fault_tolerant.py", tmp_path, n=4, kill="2@2/raise")
+def test_the_fault_tolerant_ddp_script_survives_an_exception_on_one_rank(mpi, tmp_path):
+    proc = run(mpi, "ddp_fault_tolerant.py", tmp_path, n=4, kill="2@2/raise")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
     res = results(tmp_path)
@@ -120,11 +98,11 @@ def test_the_fault_tolerant_ddp_script_survives_an_exception_on_one_rank(tmp_pat
 
 @pytest.mark.long
 @pytest.mark.timeout(3 * BOUND_S)
-def test_with_a_spare_the_ddp_script_ends_bit_identical(tmp_path):
-    proc = launch("ddp_fault_tolerant.py", tmp_path / "free")
+def test_with_a_spare_the_ddp_script_ends_bit_identical(mpi, tmp_path):
+    proc = run(mpi, "ddp_fault_tolerant.py", tmp_path / "free")
     assert proc.returncode == 0, proc.stderr[-3000:]
     free = one_replica(results(tmp_path / "free"))
-    proc = launch("ddp_fault_tolerant.py", tmp_path / "spare", spares=1, kill="1@4")
+    proc = run(mpi, "ddp_fault_tolerant.py", tmp_path / "spare", spares=1, kill="1@4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "replaced by spares" in proc.stderr, proc.stderr[-3000:]
     res = results(tmp_path / "spare")
@@ -140,9 +118,9 @@ REFUSALS = {"sampler": (2, "use ulfmtrain.ExactlyOnceSampler"), "init-first": (2
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "sampler" else pytest.mark.long)
                                   for c in REFUSALS])
-def test_what_cannot_survive_a_failure_is_refused_with_one_line(tmp_path, case):
+def test_what_cannot_survive_a_failure_is_refused_with_one_line(mpi, tmp_path, case):
     status, says = REFUSALS[case]
-    proc = launch("ddp_refusals.py", tmp_path, case)
+    proc = run(mpi, "ddp_refusals.py", tmp_path, case)
     assert proc.returncode == status, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if "ulfmtrain: error:" in x]
     assert len(lines) == 1 and says in lines[0], proc.stderr[-3000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,34 +61,9 @@ def test_a_script_with_its_own_process_group_and_no_ulfmtrain_is_warned_about(tm
     assert torchrun_warning(["train", "--data", "d"]) is None
 
 
-class FakeComm:
-    """One process standing for `size` ranks that all sent the same: sums are size times the contribution."""
-
-    rank, world_rank, step, alive, next_attempt = 0, 0, 0, [0], 0
-
-    def __init__(self, size: int = 3) -> None:
-        self.size, self.reductions, self.barriers = size, [], 0
-
-    def reduce_try(self, send, recv, op=None):
-        self.reductions.append(send.size)
-        np.multiply(send, self.size, out=recv)
-
-    def transaction(self, attempt, commit=None, *, what="step", before_agree=None):
-        result = attempt(0)
-        if commit is not None:
-            commit(result)
-        return result
-
-    def bcast_bytes(self, make, root=0):
-        return make()
-
-    def barrier(self):
-        self.barriers += 1
-
-
 @pytest.fixture
-def group():
-    comm = FakeComm()
+def group(fake_comm):
+    comm = fake_comm()
     sampler_init, hook = torch.utils.data.distributed.DistributedSampler.__init__, sys.excepthook
     ddp.init_default_group(comm)
     # torch's prefixing hook would capture the exit protocol's traceback and then the rank dies unheard.
@@ -105,7 +79,7 @@ def test_the_default_group_is_the_communicators(group, capsys):
     assert dist.get_world_size() == 2
     t = torch.tensor([1.0, 2.0])
     dist.all_reduce(t)
-    assert t.tolist() == [2.0, 4.0] and group.reductions == [2]
+    assert t.tolist() == [2.0, 4.0] and group.sent == [2]
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     assert t.tolist() == [2.0, 4.0]
     dist.barrier()
@@ -129,10 +103,10 @@ def test_an_adopted_ddp_module_leaves_the_reduction_to_the_optimizer(group, kwar
     x = torch.randn(6, 4)
     with model.no_sync():                            # accumulates: nothing reduced
         model(x).sum().backward()
-    assert group.reductions == []
+    assert group.sent == []
     local = [g.clone() for g in torch.autograd.grad(model(x).sum(), list(model.parameters()))]
     model(x).sum().backward()                        # the last micro-batch: reduced inside backward
-    assert group.reductions and opt.step_count == 1
+    assert group.sent and opt.step_count == 1
     for p, g in zip(model.parameters(), local):      # size x (2 micro-batches) / size: the accumulated sum
         torch.testing.assert_close(p.grad, 2 * g)
     opt.step()
