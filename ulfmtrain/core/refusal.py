@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 PROG = "ulfmtrain"
 _refused = False
@@ -20,7 +21,7 @@ def set_speaker(speaks: Callable[[], bool]) -> None:
     _speaker = speaks
 
 
-def refuse(line: str, *, speak: bool | None = None, status: int = 1) -> None:
+def refuse(line: str, *, speak: bool | None = None, status: int = 1) -> NoReturn:
     """End this rank with `status` after `line`, printed where `speak` (default: by the speaker, else here)."""
     global _refused
     _refused = True

@@ -50,6 +50,11 @@ class SamplerHooks:
         self.opt.expect_samples(samples)
 
     @property
+    def step(self) -> int:
+        """The optimizer's committed steps."""
+        return self.opt.step_count
+
+    @property
     def overlapped(self) -> bool:
         """Backward reduces the gradients (outside no_sync())."""
         return self.opt.overlap is not None

@@ -27,7 +27,7 @@ import os
 import uuid
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -147,7 +147,7 @@ class ExactlyOnceSampler:
         except ValueError:
             least = min(len(q) for q in self.queues.queues.values())
             self._refuse(f"ExactlyOnceSampler: a rank holds {least} records in epoch {epoch}, fewer than the "
-                   f"accumulate={self.k} micro-batches of a step: use fewer ranks or a smaller accumulate")
+                         f"accumulate={self.k} micro-batches of a step: use fewer ranks or a smaller accumulate")
         steps = len(next(iter(plan.values()), []))
         carried = len(self.carry_epoch)
         self.plan = {w: self.carry.get(w, [placeholder_step(self.k)] * carried) + plan[w] for w in plan}
@@ -216,13 +216,13 @@ class ExactlyOnceSampler:
     def _closed(self, epoch: int) -> None:
         dropped = self.books.close(epoch)
         if self._log:
-            self._log("epoch", epoch=epoch, step=self.hooks.opt.step_count, dropped=dropped.tolist())
+            self._log("epoch", epoch=epoch, step=self.hooks.step, dropped=dropped.tolist())
 
     def _attempt(self, step: int, attempt: int) -> None:
         if self.done >= len(self.step_epoch) or self.comm.world_rank not in self.plan:
             return
-        if self.hooks.overlapped and self.k > 1 and self._checked != self.hooks.opt.step_count:
-            self._checked = self.hooks.opt.step_count
+        if self.hooks.overlapped and self.k > 1 and self._checked != step:
+            self._checked = step
             quiet = self.hooks.quiet_backwards()
             if quiet < self.k - 1:
                 self._refuse(f"overlap=True reduces the gradients at every backward outside no_sync(), and this step "
@@ -233,7 +233,7 @@ class ExactlyOnceSampler:
             self._log("audit", step=step, attempt=attempt, epoch=self.step_epoch[self.done], ids=ids.tolist())
 
     # -- the loop in phase with the plan -------------------------------------------------
-    def _refuse(self, line: str) -> None:
+    def _refuse(self, line: str) -> NoReturn:
         """Every rank meets this alike (the plan is replicated, the loop the same): the lowest survivor says it."""
         refuse(line, speak=self.comm.rank == 0)
 
