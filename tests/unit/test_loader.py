@@ -145,6 +145,15 @@ def test_a_failure_in_an_epochs_last_step_is_trained_at_the_start_of_the_next():
     assert steps[0] == 3 and steps[1] > 3
 
 
+def test_a_death_among_carried_steps_gives_each_record_back_to_its_own_epoch():
+    """Rank 3 dies in epoch 0's last step (its records are carried into epoch 1's first steps); rank 1 dies in
+    the first of those: what it had left of both epochs goes back under each one's own epoch."""
+    ranks = [rank(w, [0, 1, 2, 3], 80, 4, workers=2) for w in range(4)]
+    last = len(ranks[0].s) - 1
+    seen, _, _ = train(ranks, 2, {(0, last): 3, (1, 0): 1})
+    exactly_once(seen, 80, 2)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_without_set_epoch_a_failure_in_the_last_step_leaves_later_epochs_whole(k):
     """`for epoch in range(E): for x in loader:` with no set_epoch: before, the carried steps made every later

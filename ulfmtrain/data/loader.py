@@ -198,11 +198,11 @@ class ExactlyOnceSampler:
 
     def _committed(self) -> None:
         if self.done >= len(self.step_epoch):
-            self._refuse(f"opt.step() after the {len(self.step_epoch)} steps of epoch {self.epoch}'s plan: the loop "
-                   f"{self._loop_says()}")
+            self._refuse(f"opt.step() after the {len(self.step_epoch)} steps of epoch {self.epoch}'s plan: the "
+                         f"loop {self._loop_says()}")
         if self._handed < (self.done + 1) * self.k and self.comm.world_rank in self.plan:
             self._refuse(f"opt.step() after {self._handed - self.done * self.k} of the {self.k} micro-batches the "
-                   f"sampler planned for step {self.done} of epoch {self.epoch}: the loop {self._loop_says()}")
+                         f"sampler planned for step {self.done} of epoch {self.epoch}: the loop {self._loop_says()}")
         if self._per_step is None and self._pass is not None:
             self._per_step = self.hooks.backwards - self._pass_backwards
         epoch = self.step_epoch[self.done]
@@ -225,9 +225,9 @@ class ExactlyOnceSampler:
             self._checked = step
             quiet = self.hooks.quiet_backwards()
             if quiet < self.k - 1:
-                self._refuse(f"overlap=True reduces the gradients at every backward outside no_sync(), and this step "
-                       f"began after {quiet + 1} of its accumulate={self.k} micro-batches: run the backward of "
-                       f"the first {self.k - 1} inside `with opt.no_sync():` (or the DDP model's no_sync())")
+                self._refuse(f"overlap=True reduces the gradients at every backward outside no_sync(), and this "
+                             f"step began after {quiet + 1} of its accumulate={self.k} micro-batches: run the backward "
+                             f"of the first {self.k - 1} inside `with opt.no_sync():` (or the DDP model's no_sync())")
         if self._log:
             ids = np.concatenate(self._step(self.done))
             self._log("audit", step=step, attempt=attempt, epoch=self.step_epoch[self.done], ids=ids.tolist())
@@ -271,32 +271,34 @@ class ExactlyOnceSampler:
         dead = [d for d in event.removed if d in self.plan]
         if not dead:
             return
-        left = [m for d in dead for s in self.plan[d][self.done:] for m in s]
-        lost = np.concatenate(left) if left else np.empty(0, dtype=np.int64)
+        # The dead ranks' records left, by the epoch they belong to (carried steps of the last one come first).
+        lost: dict[int, list[np.ndarray]] = {}
+        for i in range(self.done, len(self.step_epoch)):
+            lost.setdefault(self.step_epoch[i], []).extend(m for d in dead for m in self.plan[d][i])
         for d in dead:
             del self.plan[d]
         self.queues.holdings = plan_recovery(self.queues.holdings, dead).holdings   # later epochs
         survivors = sorted(self.plan)
-        record = {"replanned": int(len(lost)),
+        record = {"replanned": sum(len(m) for ms in lost.values() for m in ms),
                   "full_reread": sum(int(b - a) for s in survivors for a, b in self.queues.holdings[s])}
         self.replanned.append(record)
         event.extra.update(record)
-        if not len(lost):
-            return
-        steps, dropped = share(lost, survivors, self.batch, self.k, self.drop_last)
-        epoch = self.step_epoch[self.done] if self.done < len(self.step_epoch) else self.step_epoch[-1]
-        self.books.drop(epoch, dropped)
-        extra = len(steps[survivors[0]])
-        if self.done + 1 < len(self.step_epoch):
-            # Every rank has asked for the step after the one in flight at least: its loop asks for these too.
+        # Every rank has asked for the step after the one in flight at least, while there is one: its loop asks
+        # for steps added at the end too.  The step in flight is the epoch's last: every loop has ended; the next
+        # pass starts with them.
+        later = self.done + 1 < len(self.step_epoch)
+        for epoch, micro in lost.items():
+            if not any(len(m) for m in micro):
+                continue
+            steps, dropped = share(np.concatenate(micro), survivors, self.batch, self.k, self.drop_last)
+            self.books.drop(epoch, dropped)
+            extra = len(steps[survivors[0]])
             for s in survivors:
-                self.plan[s] += steps[s]
-            self.step_epoch += [epoch] * extra
-        else:
-            # The step in flight is the epoch's last: every loop has ended; the next pass starts with these.
-            for s in survivors:
-                self.carry[s] = pad(self.carry.get(s, []), len(self.carry_epoch), self.k) + steps[s]
-            self.carry_epoch += [epoch] * extra
+                if later:
+                    self.plan[s] += steps[s]
+                else:
+                    self.carry[s] = pad(self.carry.get(s, []), len(self.carry_epoch), self.k) + steps[s]
+            (self.step_epoch if later else self.carry_epoch).extend([epoch] * extra)
 
     def _joined(self, rec: dict[str, Any]) -> None:
         if rec["status"] != "joined" or not rec["slots"]:
