@@ -34,10 +34,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class FakeComm:
     """Sums as if `size` ranks had sent the same contribution; records the size of every reduction."""
 
-    rank, next_attempt, step = 0, 0, 0
+    rank, world_rank, next_attempt, step, alive = 0, 0, 0, 0, [0]
 
     def __init__(self, size: int = 3) -> None:
-        self.size, self.sent = size, []
+        self.size, self.sent, self.barriers = size, [], 0
+
+    def barrier(self):
+        self.barriers += 1
 
     def reduce_try(self, send, recv, op=None):
         self.sent.append(send.size)
@@ -115,6 +118,32 @@ def run_script(n: int, script: Path, args: list[str], timeout: float,
     return _run([*mpirun_prefix(n), sys.executable, "-P", str(script), *args], timeout, env)
 
 
+def launch_script(script: Path, out: Path, args: list[str], timeout: float, *, n: int = 3, spares: int = 0,
+                  kill: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m ulfmtrain launch -n N --spares K -- python SCRIPT OUT ARGS`, as a user runs a script: its events in
+    OUT/events, $ULFMTRAIN_KILL from `kill`; a hang fails the test, and so does a process of the job that
+    outlives mpirun (its ranks name OUT)."""
+    import time
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("ULFMTRAIN_KILL", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"ULFMTRAIN_EVENTS": str(out / "events"), **({"ULFMTRAIN_KILL": kill} if kill else {})})
+    cmd = [sys.executable, "-m", "ulfmtrain", "launch", "-n", str(n), "--spares", str(spares), "--", "python",
+           str(script), str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+    def ours() -> set[int]:
+        pids = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+        return {int(p) for p in pids} - {os.getpid()}
+
+    deadline = time.monotonic() + 2.0      # mpirun returns once it saw a status; a rank can take a moment to go
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not ours(), "a process of the job outlived mpirun"
+    return proc
+
+
 def run_supervise(n: int, argv: list[str], *sup: str, timeout: float,
                   env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `ulfmtrain supervise -n N SUP -- ARGV`; a hang fails the test."""
@@ -148,5 +177,6 @@ def train_slots(ranks: int, argv: list[str], out: Path, epochs: int, timeout: fl
 def mpi():
     """The helpers above, for tests (importlib mode keeps conftest out of reach of imports)."""
     return type("Mpi", (), {"run": staticmethod(run_mpi), "script": staticmethod(run_script),
+                            "launch": staticmethod(launch_script),
                             "train_slots": staticmethod(train_slots), "supervise": staticmethod(run_supervise),
                             "root": ROOT})

@@ -150,7 +150,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             plan = slurm.resolve(args.n, args.spares, args.hostfile, args.agent, args.net, tmp)
             return launch(plan.ranks + args.spares, argv, hostfile=plan.hostfile,
                           mpirun_args=[*plan.mpirun_args, *args.mpirun_arg], rsh=plan.rsh, net=plan.net,
-                          keepalive=args.keepalive, wdir=args.wdir)
+                          keepalive=args.keepalive, wdir=args.wdir, slots=plan.ranks)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -248,9 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="also run with K hot spares: it ends bit-identical to the failure-free run")
 
-    p = sub.add_parser("audit", help="check from a run's logs (train --audit) that every record was seen exactly "
-                                     "once per epoch")
-    p.add_argument("out", type=Path, help="the --out directory of a `train --audit` run")
+    p = sub.add_parser("audit", help="check from a run's logs (train --audit, or a script's ULFMTRAIN_EVENTS) that "
+                                     "every record was seen exactly once per epoch (status 0; 1: not; 3: an "
+                                     "unfinished epoch, not judged)")
+    p.add_argument("out", type=Path, help="the --out directory of a `train --audit` run, or the ULFMTRAIN_EVENTS "
+                                          "directory of a script with an ExactlyOnceSampler")
 
     p = sub.add_parser("supervise",
                        help="checkpoint-restart: relaunch mpirun from the latest checkpoint after a failure")

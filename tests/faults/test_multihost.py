@@ -749,3 +749,32 @@ def test_normal_launch_a_lost_host_ends_the_job_with_a_true_status(three_hosts, 
     assert proc.returncode == 4 and len(lines) == 1, diag
     assert f"host {c}" in lines[0] and "--agent" in lines[0], lines
     assert t_gone - t_cut < 5, t_gone - t_cut
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("how", ["hostfile", "agent"])
+def test_torchrun_variables_on_two_hosts(two_hosts, tmp_path, how):
+    """An unchanged torchrun script (tests/scripts/ddp_torchrun.py: gloo, DDP) on 2 x 2 ranks: each rank gets
+    RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE of its host (under the agent, its true locality, not
+    Open MPI's), and MASTER_ADDR is rank 0's host; gloo's rendezvous there works and the replicas agree."""
+    hosts, agent, hostfile = two_hosts
+    a, b = list(hosts)
+    out = tmp_path / "out"
+    out.mkdir()
+    how_args = ([f"--mpirun-arg={x}" for x in daemon_args(agent)] if how == "hostfile"
+                else ["--agent", str(agent), "--net", f"{SUBNET}.0/24"])
+    launch = [sys.executable, "-P", "-m", "ulfmtrain", "launch", "-n", "4", "--hostfile", str(hostfile), *how_args,
+              "--", "python", str(Path(__file__).parents[1] / "scripts" / "ddp_torchrun.py"), str(out),
+              "--epochs", "1"]
+    inner = " ".join(f"'{x}'" for x in launch)
+    proc = subprocess.run(["ip", "netns", "exec", hosts[a], "unshare", "--uts", "sh", "-c",
+                           f"hostname {a}; exec {inner}"], capture_output=True, text=True, timeout=150)
+    diag = proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert proc.returncode == 0 and sorted(res) == [0, 1, 2, 3], diag
+    env = {r: x["env"] for r, x in res.items()}
+    assert [env[r]["RANK"] for r in range(4)] == ["0", "1", "2", "3"]
+    assert {e["WORLD_SIZE"] for e in env.values()} == {"4"} and {e["LOCAL_WORLD_SIZE"] for e in env.values()} == {"2"}
+    assert sorted(env[r]["LOCAL_RANK"] for r in (0, 1)) == sorted(env[r]["LOCAL_RANK"] for r in (2, 3)) == ["0", "1"]
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env.values()} == {(a, env[0]["MASTER_PORT"])}
+    assert len({x["checksum"] for x in res.values()}) == 1

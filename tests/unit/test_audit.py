@@ -70,6 +70,50 @@ def test_exit_codes(tmp_path, capsys, policy, ids1, code):
     assert "epoch" in capsys.readouterr().out
 
 
+def script_logs(*ranks: list[dict], job: str = "j1", t: float = 1.0) -> dict[int, list[dict]]:
+    """A script's logs: no end lines; the sampler's start line names its run."""
+    start = {"event": "start", "count": 4, "job": job, "t": t, "config": {"data_policy": "exactly-once"}}
+    return {r: [start, *lines] for r, lines in enumerate(ranks)}
+
+
+def test_an_unfinished_epoch_is_never_called_exactly_once(tmp_path, capsys):
+    """A script's log whose epochs never closed (a loop out of phase with the plan): before, the table said
+    "(not finished: not judged)" and then "exactly-once", status 0."""
+    write(tmp_path, script_logs([a(0, [0])], [a(0, [1])]))
+    assert audit.main(str(tmp_path)) == 3            # not judged (before: 0)
+    out = capsys.readouterr().out
+    assert "not judged: epochs [0] did not finish" in out and "\nexactly-once" not in out
+
+
+def test_a_duplicate_in_an_unfinished_epoch_fails(tmp_path, capsys):
+    write(tmp_path, script_logs([a(0, [0, 1]), a(1, [1])], [a(0, [2])]))
+    assert audit.main(str(tmp_path)) == 1
+    assert "epochs [0] trained a record twice" in capsys.readouterr().out
+
+
+def test_records_dropped_by_design_are_not_missing(tmp_path, capsys):
+    closing = {"event": "epoch", "epoch": 0, "dropped": [3]}
+    write(tmp_path, script_logs([a(0, [0]), closing], [a(0, [1, 2]), closing]))
+    assert audit.main(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "1 dropped by design" in out
+    (row,) = audit.audit_logs(script_logs([a(0, [0, 3]), closing]))
+    assert row.duplicates == 1 and not row.exact        # a dropped record that was trained is one too many
+
+
+def test_only_the_latest_run_in_reused_files_is_audited():
+    """Appended files: an earlier run's lines (another job) are left out; a replacement's start line of the same
+    job, later in a slot's file, keeps the dead rank's lines."""
+    closing = {"event": "epoch", "epoch": 0}
+    old = script_logs([a(0, [0, 1]), a(1, [2, 3]), closing], job="old", t=1.0)
+    spare = {"event": "start", "count": 4, "job": "new", "t": 3.0, "config": {}}
+    new = script_logs([a(0, [0, 1]), a(0, [0, 1], attempt=1), closing],
+                      [a(0, [2, 3]), spare, a(0, [2, 3], attempt=1), closing], job="new", t=2.0)
+    logs = {r: old.get(r, []) + new[r] for r in new}
+    (row,) = audit.audit_logs(logs)
+    assert row.exact and row.seen == 4, row
+
+
 def test_bad_directories_say_what_to_do(tmp_path, capsys):
     assert audit.main(str(tmp_path)) == 2
     assert "no rank logs" in capsys.readouterr().err

@@ -2,49 +2,48 @@
 
 It plans each epoch the way the `train` command does (data/sampler.py's EpochSampler: each slot works
 through a seeded permutation of the records it holds; plan.py: who holds what after a failure) and cuts
-every slot's queue into the same number of non-empty batches of at most `batch_size`, so every rank takes
-part in every step.  Every rank keeps the plan of every slot, so when ranks die the survivors know which
-records the dead ranks had not committed: those go to the survivors as extra steps at the end of the epoch,
-read through the same Dataset (nothing else is read again).  The plan of a step is fixed once made: a batch
-that a DataLoader worker fetched ahead of time is never lost nor changed.  Its weight in the gradient mean is
-its size (a step where a slot has nothing left gets one placeholder record, weighted 0).
+every slot's queue into the same number of steps of `accumulate` micro-batches (steps.py), so every rank
+takes part in every step.  Every rank keeps the plan of every slot, so when ranks die the survivors know
+which records the dead ranks had not committed: those go to the survivors as extra steps at the end of the
+epoch, read through the same Dataset (nothing else is read again).  The plan of a step is fixed once made: a
+batch that a DataLoader worker fetched ahead of time is never lost nor changed.  Its weight in the gradient
+mean is its size (a step where a slot has nothing left is a placeholder, weighted 0).
 
 DataLoader asks for the next batch before the step in flight commits (with workers, several ahead); the
 extra steps go after every batch a rank may have asked for, and while the step in flight is not the epoch's
 last, every rank's loop still asks once more (its iterator says StopIteration at the plan's end, and goes on
 if the plan grew).  A failure in the very last step of an epoch is the exception: a DataLoader with workers
-has decided to end the loop already, so the dead rank's last batch is trained at the start of the next
-epoch (logged, and audited, under its own epoch).
+has decided to end the loop already, so the dead rank's last records are trained at the start of the next
+epoch (logged, and audited, under their own epoch), or, after the last epoch of `sampler.epochs()`, in one
+more pass of it.
+
+The loop must step the optimizer once every `accumulate` micro-batches; a loop that does not (accumulation
+the sampler was not told of) is found (verdict.py) and the job ends with one line naming `accumulate=k`.
 """
 from __future__ import annotations
 
-import math
+import atexit
+import os
+import uuid
+import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from ..core.modes import DataPolicy
+from ..core.refusal import refuse
+from .hooks import SamplerHooks
 from .plan import holdings_of, plan_recovery
 from .sampler import EpochSampler
+from .steps import Step, is_placeholder, min_size, pad, placeholder_step, plan_epoch, share
+from .verdict import Books
 
 if TYPE_CHECKING:
     from ..training.optim import DistributedOptimizer
     from ..transport.comm import Comm
 
-EMPTY = np.empty(0, dtype=np.int64)
-
-
-def cut(queue: np.ndarray, steps: int, batch: int) -> list[np.ndarray]:
-    """`queue` in `steps` batches of at most `batch`: full ones first, then one record a step while any is left
-    (empty batches, the steps' placeholders, last)."""
-    out, at = [], 0
-    for i in range(steps):
-        left = len(queue) - at
-        size = max(min(1, left), min(batch, left - (steps - i - 1)))
-        out.append(queue[at:at + size])
-        at += size
-    return out
+_live: weakref.WeakSet[ExactlyOnceSampler] = weakref.WeakSet()
 
 
 class ExactlyOnceSampler:
@@ -52,172 +51,320 @@ class ExactlyOnceSampler:
 
     Every record is trained on exactly once per epoch, across failures, with any num_workers and
     prefetching.  It advances when a step of `opt` commits and is part of the state a replacement receives.
-    Do not pass samples to opt.step(): the sampler gives each step's weight.
+    Do not pass samples to opt.step(): the sampler gives each step's weight.  At the end of the script the
+    ranks judge that every epoch was exact; a job that was not ends with status 1 and one line.
 
     Args:
         count: the number of records (len(dataset)); indices 0..count-1.
         comm: the communicator (ulfmtrain.connect()).
         opt: the DistributedOptimizer whose steps consume the batches.
-        batch_size: records per rank and step (at most).
+        batch_size: records per micro-batch (at most).
         seed: the permutations' seed (the same on every rank).
+        accumulate: micro-batches per optimizer step (gradient accumulation: the loop steps once every
+            `accumulate` batches; len(loader) is a multiple of it).
+        drop_last: every micro-batch full; the records that fill no whole step are dropped (logged, and
+            audited as dropped), as DistributedSampler's and DataLoader's drop_last=True.
     """
 
-    def __init__(self, count: int, comm: Comm, opt: DistributedOptimizer, *, batch_size: int,
-                 seed: int = 0) -> None:
+    def __init__(self, count: int, comm: Comm, opt: DistributedOptimizer, *, batch_size: int, seed: int = 0,
+                 accumulate: int = 1, drop_last: bool = False) -> None:
         if count < 1:
             raise ValueError(f"ExactlyOnceSampler needs at least one record, got count={count}")
-        self.count, self.comm, self.opt, self.batch = count, comm, opt, batch_size
+        if batch_size < 1 or accumulate < 1:
+            raise ValueError(f"ExactlyOnceSampler(batch_size={batch_size}, accumulate={accumulate}): give "
+                             "positive numbers")
+        self.count, self.comm, self.batch, self.k, self.drop_last = count, comm, batch_size, accumulate, drop_last
+        self.hooks = SamplerHooks(opt)
         self.queues = EpochSampler(holdings_of(count, comm.alive), batch_size, seed)
         self.epoch = 0
-        self.plan: dict[int, list[np.ndarray]] = {}   # slot -> its batch at each step of this epoch
-        self.step_epoch: list[int] = []                # the epoch each step's records belong to
-        self.carry: dict[int, list[np.ndarray]] = {}   # a failure in an epoch's last step: for the next epoch
+        self.plan: dict[int, list[Step]] = {}          # slot -> its micro-batches at each step of this epoch
+        self.step_epoch: list[int] = []                 # the epoch each step's records belong to
+        self.carry: dict[int, list[Step]] = {}         # a failure in an epoch's last step: for the next pass
         self.carry_epoch: list[int] = []
-        self.done = 0                                  # steps of this epoch committed
-        self.generation = 0                            # a new plan: older iterators stop
-        self.items_read = 0                            # records this rank's DataLoader was given
-        self.replanned: list[dict[str, int]] = []      # per failure: records re-planned, and a full re-read's
+        self.done = 0                                   # steps of this plan committed
+        self.books = Books(count)                       # records committed per epoch: the end's verdict
+        self.job = os.environ.get("PMIX_NAMESPACE") or uuid.uuid4().hex   # this run's lines in a log
+        self.generation = 0                             # a new plan: older iterators stop
+        self.items_read = 0                             # records this rank's DataLoader was given
+        self.replanned: list[dict[str, int]] = []       # per failure: records re-planned, and a full re-read's
+        self._placeholder = list(range(min(batch_size if drop_last else min_size(batch_size), count)))
+        self._pass: _Batches | None = None              # this rank's latest pass (its DataLoader's iterator)
+        self._pass_backwards = 0                        # backward passes before it began
+        self._handed = 0                                # micro-batches of this plan handed to the DataLoader
+        self._checked = -1                              # the step whose accumulation was checked (overlap)
+        self._per_step: int | None = None               # backward passes before this pass's first commit
+        self._told = False                              # this rank's loop calls set_epoch (or epochs())
         self._log = getattr(comm, "event_log", None) or None
         self._start(0)
-        opt.add_commit_hook(self._committed)
-        opt.add_attempt_hook(self._audit)
-        opt.register_extra_state("sampler", self.state, self.load_state)   # a replacement's loads here
+        self.hooks.on_commit(self._committed)
+        self.hooks.on_attempt(self._attempt)
+        self.hooks.track("sampler", self.state, self.load_state)    # a replacement's loads here
         # First among the listeners, so that the recovery's log line carries what was re-planned.
         getattr(comm, "_listeners").insert(0, self._replan)  # noqa: B009  # not in the Comm protocol
         if hasattr(comm, "add_join_listener"):       # a RespawnComm: a newcomer fills an empty slot
             comm.add_join_listener(self._joined)
         if self._log:
-            self._log("start", count=count, config={"data_policy": str(DataPolicy.EXACTLY_ONCE),
-                                                    "batch": batch_size, "seed": seed})
+            self._log("start", count=count, job=self.job,
+                      config={"data_policy": str(DataPolicy.EXACTLY_ONCE), "batch": batch_size, "seed": seed,
+                              "accumulate": accumulate, "drop_last": drop_last})
+        if not _live:
+            # At a first sampler: after the exit protocol's own step (registered when MPI started), so this
+            # one runs before it (atexit runs the last registered first).
+            atexit.unregister(_judge_at_exit)
+            atexit.register(_judge_at_exit)
+        _live.add(self)
 
     # -- epochs ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Plan `epoch` (DistributedSampler's convention); the epoch in progress (a replacement's) is kept."""
-        if epoch != self.epoch:
-            self._start(epoch)
+        self._told = True
+        if epoch == self.epoch:
+            return
+        if epoch < self.epoch and getattr(self.comm, "takeover", None) is not None:
+            # This rank alone: it leaves, and the survivors go on without it.
+            refuse(f"set_epoch({epoch}) on a replacement while the job is in epoch {self.epoch}: the loop restarted "
+                   f"its own epoch counter; loop with `for epoch in sampler.epochs(0, E)` (it starts a "
+                   f"replacement at the job's epoch)", speak=True)
+        self._end_pass()
+        self._start(epoch)
 
     def epochs(self, start: int, stop: int) -> Iterator[int]:
-        """`for epoch in sampler.epochs(1, E + 1):` instead of range(): set_epoch for each, and a replacement
-        starts at the epoch the survivors are in."""
+        """`for epoch in sampler.epochs(1, E + 1):` instead of range(): set_epoch for each, a replacement
+        starts at the epoch the survivors are in, and records of ranks that died in the last epoch's last
+        step are trained in one more pass of that epoch."""
         for epoch in range(max(start, self.epoch), stop):
             self.set_epoch(epoch)
             yield epoch
+        if self.carry_epoch and stop > start:
+            self._end_pass()
+            self._start_carried()
+            yield self.epoch
 
     def _start(self, epoch: int) -> None:
         self.queues.start_epoch(epoch)
-        queues = self.queues.queues
-        steps = max((math.ceil(len(q) / self.batch) for q in queues.values()), default=0)
+        try:
+            plan, dropped = plan_epoch(self.queues.queues, self.batch, self.k, self.drop_last)
+        except ValueError:
+            least = min(len(q) for q in self.queues.queues.values())
+            self._refuse(f"ExactlyOnceSampler: a rank holds {least} records in epoch {epoch}, fewer than the "
+                         f"accumulate={self.k} micro-batches of a step: use fewer ranks or a smaller accumulate")
+        steps = len(next(iter(plan.values()), []))
         carried = len(self.carry_epoch)
-        self.plan = {w: self.carry.get(w, [EMPTY] * carried) + cut(q, steps, self.batch) for w, q in queues.items()}
+        self.plan = {w: self.carry.get(w, [placeholder_step(self.k)] * carried) + plan[w] for w in plan}
         self.step_epoch = self.carry_epoch + [epoch] * steps
         self.carry, self.carry_epoch = {}, []
-        self.epoch, self.done, self.generation = epoch, 0, self.generation + 1
+        self.epoch = epoch
+        self.books.open(epoch, dropped)
+        if not steps:
+            self._closed(epoch)
+        self._new_plan()
+
+    def _start_carried(self) -> None:
+        """A pass of the carried steps alone (after the last epoch)."""
+        self.plan, self.step_epoch = self.carry, self.carry_epoch
+        self.carry, self.carry_epoch = {}, []
+        self._new_plan()
+
+    def _new_plan(self) -> None:
+        self.done, self._handed, self.generation = 0, 0, self.generation + 1
+        self._pass = None
         self._expect()
 
     def __len__(self) -> int:
-        """Steps in this epoch (every rank takes the same number)."""
-        return len(self.step_epoch)
+        """Micro-batches in this epoch (every rank takes the same number): accumulate per step."""
+        return len(self.step_epoch) * self.k
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.done >= len(self.step_epoch) and not self.carry_epoch:
-            self._start(self.epoch + 1)          # a loop without set_epoch: the next epoch
-        return _Batches(self)
+        self._end_pass()
+        if self.done >= len(self.step_epoch):
+            if not self._told and getattr(self.comm, "takeover", None) is not None:
+                # This rank alone: it leaves, and the survivors go on without it.
+                refuse(f"a loop without set_epoch on a replacement: it cannot tell which of the script's epochs "
+                       f"follows the job's epoch {self.epoch}; loop with `for epoch in sampler.epochs(0, E)` (it "
+                       "starts a replacement at the job's epoch)", speak=True)
+            self._start(self.epoch + 1)          # a loop without set_epoch: the next epoch (carried steps first)
+        self._pass = _Batches(self)
+        self._pass_backwards, self._per_step = self.hooks.backwards, None
+        return self._pass
 
-    def _mine(self, step: int) -> np.ndarray:
+    def _step(self, step: int) -> Step:
         return self.plan[self.comm.world_rank][step]
 
     # -- steps --------------------------------------------------------------------------
     def _expect(self) -> None:
         # The weight of the step in flight: its records (0 for a placeholder).
         if self.done < len(self.step_epoch) and self.comm.world_rank in self.plan:
-            self.opt.expect_samples(len(self._mine(self.done)))
+            self.hooks.expect(sum(len(m) for m in self._step(self.done)))
 
     def _committed(self) -> None:
         if self.done >= len(self.step_epoch):
-            return                                # a step outside the plan (the loop ran past it)
+            self._refuse(f"opt.step() after the {len(self.step_epoch)} steps of epoch {self.epoch}'s plan: the "
+                         f"loop {self._loop_says()}")
+        if self._handed < (self.done + 1) * self.k and self.comm.world_rank in self.plan:
+            self._refuse(f"opt.step() after {self._handed - self.done * self.k} of the {self.k} micro-batches the "
+                         f"sampler planned for step {self.done} of epoch {self.epoch}: the loop {self._loop_says()}")
+        if self._per_step is None and self._pass is not None:
+            self._per_step = self.hooks.backwards - self._pass_backwards
         epoch = self.step_epoch[self.done]
+        self.books.trained(epoch, [np.concatenate(s[self.done]) for s in self.plan.values()
+                                   if not is_placeholder(s[self.done])])
         self.done += 1
-        if self._log and (self.done == len(self.step_epoch) or self.step_epoch[self.done] != epoch):
-            self._log("epoch", epoch=epoch, step=self.opt.step_count)
+        if epoch not in self.step_epoch[self.done:] and epoch not in self.carry_epoch:
+            self._closed(epoch)
         self._expect()
 
-    def _audit(self, step: int, attempt: int) -> None:
-        if self._log and self.done < len(self.step_epoch) and self.comm.world_rank in self.plan:
-            self._log("audit", step=step, attempt=attempt, epoch=self.step_epoch[self.done],
-                      ids=self._mine(self.done).tolist())
+    def _closed(self, epoch: int) -> None:
+        dropped = self.books.close(epoch)
+        if self._log:
+            self._log("epoch", epoch=epoch, step=self.hooks.step, dropped=dropped.tolist())
+
+    def _attempt(self, step: int, attempt: int) -> None:
+        if self.done >= len(self.step_epoch) or self.comm.world_rank not in self.plan:
+            return
+        if self.hooks.overlapped and self.k > 1 and self._checked != step:
+            self._checked = step
+            quiet = self.hooks.quiet_backwards()
+            if quiet < self.k - 1:
+                self._refuse(f"overlap=True reduces the gradients at every backward outside no_sync(), and this "
+                             f"step began after {quiet + 1} of its accumulate={self.k} micro-batches: run the backward "
+                             f"of the first {self.k - 1} inside `with opt.no_sync():` (or the DDP model's no_sync())")
+        if self._log:
+            ids = np.concatenate(self._step(self.done))
+            self._log("audit", step=step, attempt=attempt, epoch=self.step_epoch[self.done], ids=ids.tolist())
+
+    # -- the loop in phase with the plan -------------------------------------------------
+    def _refuse(self, line: str) -> NoReturn:
+        """Every rank meets this alike (the plan is replicated, the loop the same): the lowest survivor says it."""
+        refuse(line, speak=self.comm.rank == 0)
+
+    def _end_pass(self) -> None:
+        line = self._pass_mismatch()
+        if line:
+            self._refuse(line)
+
+    def _pass_mismatch(self) -> str | None:
+        """A pass of the DataLoader ends (a new one, a new epoch, the script's end): a pass that was handed the
+        whole plan and ran a backward for every micro-batch, with steps left uncommitted, stepped the optimizer
+        less often than the plan says."""
+        it, left = self._pass, len(self.step_epoch) - self.done
+        if it is None or not left or it.generation != self.generation or it.at < len(self):
+            return None
+        if self.hooks.backwards - self._pass_backwards < len(self) - it.start:
+            return None                         # the loop stopped early (a step count): nothing to judge
+        return (f"the loop trained all {len(self) - it.start} micro-batches of epoch {self.epoch} with {left} of "
+                f"the plan's steps uncommitted: it {self._loop_says()}")
+
+    def _loop_says(self) -> str:
+        """What the loop does against the plan (the backward passes before its first step), and the fix."""
+        per = self._per_step
+        if per is None:
+            per = self.hooks.backwards - self._pass_backwards
+        if per == self.k or per < 1:
+            return (f"steps once every {self.k} micro-batch{'es' if self.k > 1 else ''}, but not in phase with "
+                    f"the plan: step after every `accumulate` batches, with `(i + 1) % {self.k} == 0 or "
+                    "i + 1 == len(loader)`")
+        return (f"steps once every {per} micro-batches where the sampler planned {self.k}: pass "
+                f"ExactlyOnceSampler(..., accumulate={per})")
 
     # -- failures and joins ------------------------------------------------------------
     def _replan(self, event: Any) -> None:
         dead = [d for d in event.removed if d in self.plan]
         if not dead:
             return
-        left = [b for d in dead for b in self.plan[d][self.done:]]
-        lost = np.concatenate(left) if left else EMPTY
+        # The dead ranks' records left, by the epoch they belong to (carried steps of the last one come first).
+        lost: dict[int, list[np.ndarray]] = {}
+        for i in range(self.done, len(self.step_epoch)):
+            lost.setdefault(self.step_epoch[i], []).extend(m for d in dead for m in self.plan[d][i])
         for d in dead:
             del self.plan[d]
         self.queues.holdings = plan_recovery(self.queues.holdings, dead).holdings   # later epochs
         survivors = sorted(self.plan)
-        record = {"replanned": int(len(lost)),
+        record = {"replanned": sum(len(m) for ms in lost.values() for m in ms),
                   "full_reread": sum(int(b - a) for s in survivors for a, b in self.queues.holdings[s])}
         self.replanned.append(record)
         event.extra.update(record)
-        if not len(lost):
-            return
-        n = len(survivors)
-        extra = math.ceil(len(lost) / (n * self.batch))
-        pieces = np.array_split(lost, n * extra)
-        steps = {s: [pieces[k * n + i] for k in range(extra)] for i, s in enumerate(survivors)}
-        if self.done + 1 < len(self.step_epoch):
-            # Every rank has asked for the step after the one in flight at least: its loop asks for these too.
+        # Every rank has asked for the step after the one in flight at least, while there is one: its loop asks
+        # for steps added at the end too.  The step in flight is the epoch's last: every loop has ended; the next
+        # pass starts with them.
+        later = self.done + 1 < len(self.step_epoch)
+        for epoch, micro in lost.items():
+            if not any(len(m) for m in micro):
+                continue
+            steps, dropped = share(np.concatenate(micro), survivors, self.batch, self.k, self.drop_last)
+            self.books.drop(epoch, dropped)
+            extra = len(steps[survivors[0]])
             for s in survivors:
-                self.plan[s] += steps[s]
-            self.step_epoch += [self.step_epoch[self.done]] * extra
-        else:
-            # The step in flight is the epoch's last: every loop has ended; the next epoch starts with these.
-            for s in survivors:
-                self.carry[s] = self.carry.get(s, []) + steps[s]
-            self.carry_epoch += [self.step_epoch[-1]] * extra
+                if later:
+                    self.plan[s] += steps[s]
+                else:
+                    self.carry[s] = pad(self.carry.get(s, []), len(self.carry_epoch), self.k) + steps[s]
+            (self.step_epoch if later else self.carry_epoch).extend([epoch] * extra)
 
     def _joined(self, rec: dict[str, Any]) -> None:
         if rec["status"] != "joined" or not rec["slots"]:
             return
-        for slot in rec["slots"]:      # a placeholder at each step left of this epoch; its share from the next
-            self.plan[slot] = [EMPTY] * len(self.step_epoch)
-            self.carry[slot] = [EMPTY] * len(self.carry_epoch)
+        for slot in rec["slots"]:      # placeholder steps for the rest of this epoch; its share from the next
+            self.plan[slot] = [placeholder_step(self.k)] * len(self.step_epoch)
+            self.carry[slot] = [placeholder_step(self.k)] * len(self.carry_epoch)
         self.queues.holdings = holdings_of(self.count, self.comm.alive)
+
+    # -- the end of the script ------------------------------------------------------------
+    def verdict(self) -> str | None:
+        """At the end: why this job was not exactly-once per epoch (one line), or None.  Every rank that ran
+        the loop to its end judges alike: the plan and the records committed are replicated."""
+        carried: dict[int, int] = {}
+        for i, e in enumerate(self.carry_epoch):
+            carried[e] = carried.get(e, 0) + sum(len(m) for steps in self.carry.values() for m in steps[i])
+        return self._pass_mismatch() or self.books.verdict(carried)
 
     # -- the replicated state -------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "done": self.done, "plan": self.plan, "step_epoch": self.step_epoch,
-                "carry": self.carry, "carry_epoch": self.carry_epoch, "queues": self.queues.state()}
+                "carry": self.carry, "carry_epoch": self.carry_epoch, "queues": self.queues.state(),
+                "books": self.books.state(), "job": self.job}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.epoch, self.done = state["epoch"], state["done"]
-        self.plan = {int(w): [np.asarray(b, dtype=np.int64) for b in bs] for w, bs in state["plan"].items()}
-        self.carry = {int(w): [np.asarray(b, dtype=np.int64) for b in bs] for w, bs in state["carry"].items()}
+        self.epoch, self.done, self.job = state["epoch"], state["done"], state["job"]
+        self.plan = {int(w): [[np.asarray(m, dtype=np.int64) for m in s] for s in ss]
+                     for w, ss in state["plan"].items()}
+        self.carry = {int(w): [[np.asarray(m, dtype=np.int64) for m in s] for s in ss]
+                      for w, ss in state["carry"].items()}
         self.step_epoch, self.carry_epoch = list(state["step_epoch"]), list(state["carry_epoch"])
         self.queues.load_state(state["queues"])
+        self.books.load_state(state["books"])
         self.generation += 1
+        self._handed, self._pass = self.done * self.k, None
         self._expect()
 
 
 class _Batches:
-    """One pass of a DataLoader: this rank's batches from the first uncommitted step.  It may say StopIteration
-    and later go on (DataLoader asks again after each batch it hands out): the steps a failure adds are asked
-    for by the same loop."""
+    """One pass of a DataLoader: this rank's micro-batches from the first uncommitted step.  It may say
+    StopIteration and later go on (DataLoader asks again after each batch it hands out): the steps a failure
+    adds are asked for by the same loop."""
 
     def __init__(self, sampler: ExactlyOnceSampler) -> None:
-        self.s, self.at, self.generation = sampler, sampler.done, sampler.generation
+        self.s, self.generation = sampler, sampler.generation
+        self.start = self.at = sampler.done * sampler.k
 
     def __iter__(self) -> _Batches:
         return self
 
     def __next__(self) -> list[int]:
         s = self.s
-        if self.generation != s.generation or self.at >= len(s.step_epoch) or s.comm.world_rank not in s.plan:
+        step, j = divmod(self.at, s.k)
+        if self.generation != s.generation or step >= len(s.step_epoch) or s.comm.world_rank not in s.plan:
             raise StopIteration
-        ids = s._mine(self.at)
+        ids = s._step(step)[j]
         self.at += 1
+        s._handed = max(s._handed, self.at)
         s.items_read += len(ids)
         # A placeholder is read and weighted 0, so that collate_fn never sees an empty batch.
-        return ids.tolist() if len(ids) else [0]
+        return ids.tolist() if len(ids) else s._placeholder
+
+
+def _judge_at_exit() -> None:
+    """The end of a script: each sampler's verdict (verdict.py says what ends the job and how)."""
+    from .verdict import judge_at_exit
+
+    for sampler in list(_live):
+        judge_at_exit(sampler)

@@ -60,11 +60,15 @@ def connect(events: str | Path | None = None, *, require_fault_tolerance: bool |
               f"(run `{launch_hint()}`)", file=sys.stderr, flush=True)
         from mpi4py import MPI
 
+        from ..training.ddp import init_default_group
         from ..transport.comm import PlainComm
+
         comm: Any = PlainComm(MPI.COMM_SELF)
         attach_events(comm, events)
+        init_default_group(comm)
         return comm
     from ..core.modes import Replace, UsageError, parse
+    from ..training.ddp import init_default_group
     from ..transport.comm import FaultTolerantComm
     from ..transport.faults import fails_before_ready, parse_kills
 
@@ -97,6 +101,7 @@ def connect(events: str | Path | None = None, *, require_fault_tolerance: bool |
     joined = getattr(comm, "takeover", None) is not None
     log = attach_events(comm, events)
     faults.arm([k for k in kills if not (joined and k.rank == comm.world_rank)], comm.world_rank, log)
+    init_default_group(comm)       # torch.distributed's default group: this communicator's (DDP, dist.all_reduce)
     return comm
 
 

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ..core import userdir
@@ -149,12 +149,50 @@ def exported_env(mpirun_args: Sequence[str] = ()) -> list[str]:
 
 
 def mpirun_command(n: int, argv: Sequence[str], *, hostfile: str | None = None,
-                   mpirun_args: Sequence[str] = (), cores: int | None = None, ft: bool = True) -> list[str]:
+                   mpirun_args: Sequence[str] = (), cores: int | None = None, ft: bool = True,
+                   torchrun: Sequence[str] = ()) -> list[str]:
     """Build `mpirun --with-ft ulfm -np N ... PROGRAM` (see program: `train ...` runs
     `python -P -m ulfmtrain train ...`), on one host as a fork of a running fork server if one is named
-    (warm_start)."""
+    (warm_start); torchrun: torchrun_env's prefix, which sets torchrun's variables in each rank."""
     ranks = program(argv) if hostfile else warm_start(program(argv))
-    return [*mpirun_prefix(n, hostfile=hostfile, mpirun_args=mpirun_args, cores=cores, ft=ft), *ranks]
+    return [*mpirun_prefix(n, hostfile=hostfile, mpirun_args=mpirun_args, cores=cores, ft=ft), *torchrun, *ranks]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_env(slots: int, master: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The prefix that sets torchrun's variables in each rank, from what mpirun (or the agent, for the local
+    ranks) tells it: RANK, WORLD_SIZE (the training slots), LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT (launch's own unless set here), then execs the rank's program.  A POSIX shell: a few ms."""
+    env = os.environ if environ is None else environ
+    addr = env.get("MASTER_ADDR") or master
+    port = env.get("MASTER_PORT") or str(free_port())
+    script = ('export RANK="$OMPI_COMM_WORLD_RANK" WORLD_SIZE=' + shlex.quote(str(slots)) +
+              ' LOCAL_RANK="${ULFMTRAIN_LOCAL_RANK:-$OMPI_COMM_WORLD_LOCAL_RANK}"'
+              ' LOCAL_WORLD_SIZE="${ULFMTRAIN_LOCAL_SIZE:-$OMPI_COMM_WORLD_LOCAL_SIZE}"'
+              f' MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={shlex.quote(port)}; exec "$@"')
+    return ["/bin/sh", "-c", script, "ulfmtrain-rank"]
+
+
+def torchrun_warning(argv: Sequence[str]) -> str | None:
+    """One line for a script that makes torch.distributed's own process group and never uses ulfmtrain: it runs
+    as under torchrun, without fault tolerance."""
+    cmd = program(argv)
+    script = next((a for a in cmd[1:] if not a.startswith("-")), None) if cmd[0] == sys.executable else None
+    try:
+        text = Path(script).read_text(errors="replace") if script and script.endswith(".py") else ""
+    except OSError:
+        return None
+    if "init_process_group(" not in text or re.search(r"^\s*(import|from)\s+ulfmtrain\b", text, re.MULTILINE):
+        return None
+    return (f"ulfmtrain: warning: {script} makes torch.distributed's own process group (init_process_group) "
+            "without ulfmtrain: it runs with torchrun's variables set, without fault tolerance (a rank's death "
+            "ends the job); the lines that make it fault-tolerant: docs/your-script.md#ddp-and-torchrun")
 
 
 def read_hostfile(hostfile: str) -> list[tuple[str, int, str]]:
@@ -217,21 +255,28 @@ def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_a
 def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
            mpirun_args: Sequence[str] = (), timeout: float | None = None,
            rsh: str | None = None, net: str | None = None, keepalive: float | None = None,
-           wdir: str | None = None) -> int:
+           wdir: str | None = None, slots: int | None = None) -> int:
     """Run the job and return mpirun's exit code (judge success by what the ranks wrote).
 
     With rsh (and a hostfile and net): no daemon on the compute hosts, so the
     loss of a whole host is survived (see ulfmtrain/launching/agent.py); a silent host
     is dropped after `keepalive` seconds (default 10).  Every rank starts in
-    wdir (default: this directory), on every host.
+    wdir (default: this directory), on every host, with torchrun's variables (torchrun_env; WORLD_SIZE is
+    `slots`, the training ranks without the spares, default n).
     """
     mpirun_args = [*exported_env(mpirun_args), *mpirun_args]
+    warning = torchrun_warning(argv)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    master = rank_hosts(hostfile, n)[0] if hostfile else "127.0.0.1"
+    torchrun = torchrun_env(n if slots is None else slots, master)
     if rsh is None:
         if wdir is not None:
             mpirun_args += ["--wdir", os.path.abspath(wdir)]
         if keepalive is not None:
             raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
-        return lost_daemon.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args), timeout)
+        return lost_daemon.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args,
+                                              torchrun=torchrun), timeout)
     if not (hostfile and net):
         raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
     with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
@@ -244,5 +289,5 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
         cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args,
                                 keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp,
                                 wdir=wdir)
-        cmd += program(argv)
+        cmd += [*torchrun, *program(argv)]
         return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode

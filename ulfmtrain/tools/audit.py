@@ -1,97 +1,62 @@
-"""The exactly-once audit: from a run's rank logs (`train --audit`), records seen, duplicated and missing per epoch.
+"""`ulfmtrain audit DIR`: the exactly-once audit of an event log (`train --audit --out DIR`, or a script's
+`ULFMTRAIN_EVENTS=DIR`), one row per epoch (data/audit.py counts).
 
-Each rank writes, before its first contribution to each attempt of a step,
-``{"event": "audit", "step": S, "attempt": A, "epoch": E, "ids": [...]}``.
-An aborted attempt is redone by the survivors as attempt A+1, so for each step
-only the last attempt seen in any log committed; the lines of earlier
-attempts are discarded.  A rank that died right after contributing to a step
-that committed has still left its line.
-
-A run resumed from a checkpoint (`--resume`) logs, in its `resume` event, how
-many records of the checkpoint's epoch were still to be trained on; the others
-were committed before the checkpoint, by the run that wrote it, and count as
-seen (the table says how many).  Audit lines a rank wrote before its latest
-`resume` (an --out directory used again) belong to the steps rolled back.
+It judges only what the log shows: every epoch finished, every record trained once or dropped by design
+(drop_last) says "exactly-once" (status 0); a record trained twice, or one missing from a finished epoch
+(exactly-once policy), says why (status 1); an epoch the log shows unfinished is not judged, and the job is
+not called exactly-once (status 3).
 """
 from __future__ import annotations
 
 import sys
-from collections import Counter, defaultdict
-from dataclasses import dataclass
 
 from ..core.events import Event, read_rank_logs, select
 from ..core.modes import DataPolicy
+from ..data.audit import EpochAudit, audit_logs, latest_job
 
-
-@dataclass
-class EpochAudit:
-    """One epoch's verdict."""
-
-    epoch: int
-    records: int
-    seen: int          # distinct records trained on
-    duplicates: int    # extra occurrences
-    missing: int       # records never trained on
-    finished: bool     # the surviving ranks closed this epoch
-    before: int = 0    # committed before the checkpoint this run resumed from: counted as seen, not in these logs
-
-    @property
-    def exact(self) -> bool:
-        return self.duplicates == 0 and self.missing == 0
-
-
-def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[EpochAudit]:
-    """One row per epoch that has audit lines."""
-    if count is None:
-        count = select(logs, Event.START)[0]["count"]
-    lines, before = [], {}
-    for recs in logs.values():
-        starts = [i for i, x in enumerate(recs) if x["event"] == Event.RESUME]
-        if starts and "remaining" in recs[starts[-1]]:
-            r = recs[starts[-1]]
-            before[r["resumed_epoch"]] = count - r["remaining"]
-        lines += [x for x in recs[starts[-1] + 1 if starts else 0:] if x["event"] == Event.AUDIT]
-    last: dict[int, int] = defaultdict(int)
-    for x in lines:
-        last[x["step"]] = max(last[x["step"]], x["attempt"])
-    seen: dict[int, Counter] = defaultdict(Counter)
-    for x in lines:
-        if x["attempt"] == last[x["step"]]:
-            seen[x["epoch"]].update(x["ids"])
-    survivors = [recs for recs in logs.values() if select(recs, Event.END)] or list(logs.values())
-    # Every rank closes an epoch at the same committed step, so one closing is enough; a slot refilled later
-    # (respawn) has no lines for the epochs it missed.
-    closed = set.union(*({x["epoch"] for x in select(recs, Event.EPOCH)} for recs in survivors))
-    return [EpochAudit(e, count, len(c) + before.get(e, 0), sum(c.values()) - len(c),
-                       count - len(c) - before.get(e, 0), e in closed, before.get(e, 0))
-            for e, c in sorted(seen.items())]
+__all__ = ["EpochAudit", "audit_logs", "main"]
+NOT_JUDGED = 3
 
 
 def main(out_dir: str) -> int:
-    """Print the audit table; exit 1 if an exactly-once run saw a record twice or never."""
+    """Print the audit table and the verdict; the status says it (0 exact, 1 not, 3 not judged)."""
     logs = read_rank_logs(out_dir)
     if not logs:
-        print(f"ulfmtrain: error: no rank logs in {out_dir!r}: give the --out directory of a train run",
-              file=sys.stderr)
+        print(f"ulfmtrain: error: no rank logs in {out_dir!r}: give the --out directory of a train run, or the "
+              "ULFMTRAIN_EVENTS directory of a script", file=sys.stderr)
         return 2
     if not select(logs, Event.AUDIT):
-        print(f"ulfmtrain: error: {out_dir!r} has no audit lines: train with --audit", file=sys.stderr)
+        print(f"ulfmtrain: error: {out_dir!r} has no audit lines: train with --audit, or log a script's "
+              "ExactlyOnceSampler with ULFMTRAIN_EVENTS=DIR", file=sys.stderr)
         return 2
+    logs = latest_job(logs)
     policy = next((x["config"].get("data_policy", DataPolicy.EXACTLY_ONCE) for x in select(logs, Event.START)),
                   DataPolicy.EXACTLY_ONCE)
     rows = audit_logs(logs)
     resume = next(iter(select(logs, Event.RESUME)[-1:]), None)
-    print(f"{'epoch':>5} {'records':>8} {'seen':>8} {'duplicates':>10} {'missing':>8}")
+    dropping = any(r.dropped for r in rows)
+    print(f"{'epoch':>5} {'records':>8} {'seen':>8} {'duplicates':>10} {'missing':>8}"
+          + (f" {'dropped':>8}" if dropping else ""))
     for r in rows:
         tail = "" if r.finished else "  (not finished: not judged)"
         if r.before and resume is not None:
             tail += f"  (resumed: {r.before} committed before the checkpoint of step {resume['step']}, counted as seen)"
-        print(f"{r.epoch:>5} {r.records:>8} {r.seen:>8} {r.duplicates:>10} {r.missing:>8}{tail}")
-    bad = [r.epoch for r in rows if r.finished and not r.exact]
+        print(f"{r.epoch:>5} {r.records:>8} {r.seen:>8} {r.duplicates:>10} {r.missing:>8}"
+              + (f" {r.dropped:>8}" if dropping else "") + tail)
     repeated = [r.epoch for r in rows if r.duplicates]
-    if (policy == "exactly-once" and bad) or repeated:   # lossy may skip records, never repeat one
-        print(f"NOT {policy}: epochs {bad if policy == 'exactly-once' else repeated} saw a record "
-              + ("twice or never" if policy == "exactly-once" else "twice"))
+    skipped = [r.epoch for r in rows if r.finished and r.missing]
+    unfinished = [r.epoch for r in rows if not r.finished]
+    if repeated or (policy == DataPolicy.EXACTLY_ONCE and skipped):
+        why = [f"epochs {repeated} trained a record twice"] if repeated else []
+        if policy == DataPolicy.EXACTLY_ONCE and skipped:
+            why.append(f"epochs {skipped} left records untrained")
+        print(f"NOT {policy}: " + "; ".join(why))
         return 1
-    print(f"{policy}: " + ("every record exactly once per epoch" if not bad else f"epochs {bad} skipped records"))
+    if unfinished:
+        print(f"not judged: epochs {unfinished} did not finish (the log shows steps of them, not their end): "
+              f"not called {policy}")
+        return NOT_JUDGED
+    dropped = sum(r.dropped for r in rows)
+    verdict = "every record exactly once per epoch" if not skipped else f"epochs {skipped} skipped records"
+    print(f"{policy}: {verdict}" + (f" ({dropped} dropped by design: drop_last)" if dropped else ""))
     return 0

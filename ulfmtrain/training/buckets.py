@@ -70,7 +70,8 @@ class GradBucket:
     def _grads_are_views(self) -> bool:
         base, off = self.grad.data_ptr(), 0
         for p, size in zip(self.params, self.sizes):
-            if p.grad is None or p.grad.data_ptr() != base + off * self.grad.element_size():
+            if p.grad is None or p.grad.layout != torch.strided or \
+                    p.grad.data_ptr() != base + off * self.grad.element_size():
                 return False
             off += size
         return True
@@ -78,7 +79,9 @@ class GradBucket:
     def prepare(self, weight: float) -> None:
         """Put this rank's contribution (the gradients times its samples) in the send buffer."""
         if not self._grads_are_views():      # zero_grad(set_to_none=True), or a user who replaced .grad
-            grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
+            # A sparse gradient (an nn.Embedding(sparse=True) after set_to_none) travels dense, and stays dense.
+            grads = [torch.zeros_like(p).reshape(-1) if p.grad is None else
+                     (p.grad.to_dense() if p.grad.layout != torch.strided else p.grad).reshape(-1)
                      for p in self.params]
             torch.cat(grads, out=self.grad)
             self.set_views()

@@ -20,7 +20,7 @@ from mpi4py import MPI
 from ..core.modes import Phase
 from ..transport import faults, stall
 from ..transport.comm import AttemptFailed
-from . import serialize
+from . import ddp, serialize
 from .buckets import BufferBucket, make_buckets
 from .config import DEFAULT_BUCKET_BYTES
 from .extra_state import ExtraState
@@ -63,7 +63,8 @@ class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
             backward).  Declare this rank's samples before backward with
             begin_step(samples); accumulate micro-batches inside no_sync().
             Bit-identical to overlap=False, where the reduction happens in
-            synchronize() or step() (clip after opt.synchronize()).
+            synchronize() or step() (clip after opt.synchronize()).  Default: on
+            for a DistributedDataParallel model (training/ddp.py), else off.
         staging: the stream objects of staged buckets (streams.py); None picks
             them by the parameters' device (CUDA's on a GPU).
         scale_lr: after a shrink or a join, scale each group's lr with the world size before the
@@ -73,9 +74,11 @@ class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Comm, *,
                  model: torch.nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 broadcast: bool = True, overlap: bool = False, scale_lr: bool = False,
+                 broadcast: bool = True, overlap: bool | None = None, scale_lr: bool = False,
                  staging: Streams | None = None) -> None:
         # Not Optimizer.__init__: param_groups and state stay the wrapped optimizer's own.
+        if overlap is None:
+            overlap = ddp.wraps_ddp(model)         # DDP's semantics for a DDP model: the mean after backward
         self.optimizer = optimizer
         self.comm = comm
         self.model = model
@@ -123,6 +126,7 @@ class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
             # The forward kill phase, in a loop of your own (the trainer has its own point).
             on_forward(model, lambda m: faults.point(self.step_count, Phase.FORWARD) if m.training else None)
         self._commit_hooks.append(self._extra.forget_received)
+        ddp.adopt(self)                            # a DistributedDataParallel model: its reducer off, no_sync ours
         if broadcast:
             takeover = getattr(comm, "takeover", None)
             if takeover is not None:      # a spare that took a slot, or a respawned process: the live state

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from mpi4py import MPI
 
+from ..core.refusal import refuse
 from ..transport.comm import AttemptFailed
 from .buckets import GradBucket
 
@@ -59,6 +60,8 @@ class Overlap:
         self._next = 0                    # the next bucket to hand to the thread (bucket order)
         self._weight: float | None = None  # set by begin(): this step has started
         self._enabled = True
+        self.quiet_backwards = 0          # backward passes inside no_sync() since the last step
+        self._quiet_task = -1
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._done = threading.Semaphore(0)
         self._status = 0                     # the step's first failed reduction (0: none yet)
@@ -79,12 +82,17 @@ class Overlap:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._enabled:
+            task = torch._C._current_graph_task_id()
+            if task != self._quiet_task:
+                self._quiet_task, self.quiet_backwards = task, self.quiet_backwards + 1
             return
         if self._weight is not None and torch._C._current_graph_task_id() != self._task:
             self.abandon()                 # the backward that started this step raised (an OOM)
         if self._committed():
-            raise OverlapError("a backward after the step was reduced and before opt.step(): call opt.step() "
-                               "(or zero_grad()) first, or accumulate micro-batches inside `with opt.no_sync():`")
+            # Every rank's loop does the same: a refusal of one line, not a traceback on each rank.
+            refuse("overlap=True reduced the gradients and finished the step in the last backward, and another "
+                   "backward came before opt.step(): accumulate micro-batches with the backward of every one but "
+                   "the last inside `with opt.no_sync():` (or the DDP model's no_sync()), or call opt.step() first")
         if id(p) in self._fired:
             raise OverlapError("a gradient was accumulated twice in one step: accumulate micro-batches "
                                "inside `with opt.no_sync():` and step after the last backward")
@@ -144,6 +152,7 @@ class Overlap:
         self._fired.clear()
         self._count = [0] * len(self.buckets)
         self._next, self._weight, self._task = 0, None, -1
+        self.quiet_backwards, self._quiet_task = 0, -1
         if self._error is not None:
             error, self._error = self._error, None
             raise error

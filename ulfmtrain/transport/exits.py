@@ -44,10 +44,12 @@ _POLL_S = 0.0005
 
 _wrappers: list[weakref.ref] = []
 _left = False              # the exit protocol ran (an exception's): the end of the program must not run it again
+_left_failed = False       # ... for a failure
 _previous_hook = sys.excepthook
 _installed = False
 _armed = False
 _at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (the fork server: forkserver.drain)
+_end_status: int | None = None             # an end-of-script check that failed: the status the rank ends with
 
 
 class Terminated(BaseException):
@@ -73,6 +75,24 @@ def at_leave(end: Callable[[], None]) -> None:
     """Call `end` once this rank leaves a job whose members all leave (the layers above hook in here)."""
     if end not in _at_leave:
         _at_leave.append(end)
+
+
+def left_failed() -> bool:
+    """The exit protocol ran for a failure (an uncaught exception): the program's end judges nothing."""
+    return _left_failed
+
+
+def end_with(status: int) -> None:
+    """At the end of the program: end with `status` once this rank has left the job with its peers (an end
+    check that failed after the training completed everywhere).  Without the exit protocol armed (a world of
+    one), at once."""
+    global _end_status
+    if _end_status is None:
+        _end_status = status
+    if not _armed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def arm_at_exit(timeout: float = 5.0) -> None:
@@ -146,13 +166,18 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
     finalizes = ends_with_mpi_finalize()     # decided before leaving, which ends PMIx where it is False
     if fault_tolerant():
         at_exit()
-    return lifecycle.finalize(timeout, exit_code) if finalizes else exit_code
+    code = lifecycle.finalize(timeout, exit_code) if finalizes else exit_code
+    if _end_status is not None:             # the status Python would end with was fixed before the exit steps
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_end_status)
+    return code
 
 
 def leave(failed: bool) -> None:
     """The exit protocol (see the module's docstring); returns only when every member is leaving."""
-    global _left
-    _left = True
+    global _left, _left_failed
+    _left, _left_failed = True, failed
     from mpi4py import MPI
 
     from .stall import die_told
