@@ -584,3 +584,16 @@ def test_a_registered_state_that_needs_pickle_opts_in(tmp_path: Path) -> None:
     back.opt.register_state("odd", again, pickle=True)
     Checkpointer(tmp_path, every=1, resume=True).begin(back)
     assert again.value == Fraction(2, 7)
+
+
+@pytest.mark.parametrize("value", [np.zeros(0, dtype=np.uint8), np.packbits(np.zeros(0, dtype=bool)),
+                                   np.zeros((0, 3), dtype=np.int64), np.arange(5), np.ones(4, dtype=bool)],
+                         ids=["empty-uint8", "empty-packbits", "empty-2d", "int64", "bool"])
+def test_the_safe_load_takes_every_numpy_array_the_state_holds(value: np.ndarray) -> None:
+    """numpy pickles an empty array's data as a call of bytes(): the safe load must take it (the sampler's books
+    hold packed bits that are empty before any record is seen; a spare refused the hand-over with "GLOBAL bytes
+    was not an allowed global" and died)."""
+    from ulfmtrain.training import serialize
+
+    back = serialize.loads(serialize.dumps({"v": value}))["v"]
+    assert back.dtype == value.dtype and back.shape == value.shape and (back == value).all()

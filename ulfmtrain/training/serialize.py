@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 # What numpy's arrays, dtypes and scalars pickle as (found from the objects: their module moved in numpy 2); the
-# dtypes of numbers and booleans only.
+# dtypes of numbers and booleans only; and bytes(), which an empty array's data pickles as (it builds bytes and
+# runs nothing).
 _NUMPY: list[Any] = [np.arange(1).__reduce__()[0], np.ndarray, np.dtype, np.int64(0).__reduce__()[0],
-          *{type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}]
+          *{type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}, bytes]
 
 
 class UnsafeState(ValueError):
