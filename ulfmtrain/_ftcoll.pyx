@@ -70,6 +70,42 @@ def bcast_try(MPI.Comm comm, buf, int root):
     return status
 
 
+def send_try(MPI.Comm comm, buf, int dest, int tag):
+    """Send buf to dest once; on an error revoke comm. Return OK, FAILED or ERROR."""
+    cdef Py_buffer b
+    cdef MPI_Comm handle = comm.ob_mpi
+    cdef MPI_Datatype dtype
+    cdef MPI_Count count
+    cdef int status
+    PyObject_GetBuffer(buf, &b, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT)
+    try:
+        dtype = _datatype(&b)
+        count = <MPI_Count>(b.len // b.itemsize)
+        with nogil:
+            status = ftc_send_try(b.buf, count, dtype, dest, tag, handle)
+    finally:
+        PyBuffer_Release(&b)
+    return status
+
+
+def recv_try(MPI.Comm comm, buf, int source, int tag):
+    """Receive into buf from source once; on an error revoke comm. Return OK, FAILED or ERROR."""
+    cdef Py_buffer b
+    cdef MPI_Comm handle = comm.ob_mpi
+    cdef MPI_Datatype dtype
+    cdef MPI_Count count
+    cdef int status
+    PyObject_GetBuffer(buf, &b, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)
+    try:
+        dtype = _datatype(&b)
+        count = <MPI_Count>(b.len // b.itemsize)
+        with nogil:
+            status = ftc_recv_try(b.buf, count, dtype, source, tag, handle)
+    finally:
+        PyBuffer_Release(&b)
+    return status
+
+
 def revoke(MPI.Comm comm):
     """Revoke comm, so that peers blocked on it leave for the commit agree."""
     cdef MPI_Comm handle = comm.ob_mpi

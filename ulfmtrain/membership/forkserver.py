@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from ..transport import exits, lifecycle
+from ..transport.lifecycle import local_rank
 from .spawn_shim import ADDRESS_ENV, ENABLE_ENV, MAX_MESSAGE, served, sockaddr
 
 FORKED_ENV = "ULFMTRAIN_FORKED"            # set in a newcomer that the server forked
@@ -63,8 +64,6 @@ _server: subprocess.Popen[bytes] | None = None    # the server this rank started
 
 def start() -> subprocess.Popen[bytes] | None:
     """Start this host's server, once per host (local rank 0 of the launched job), if enabled."""
-    from ..training.device import local_rank
-
     global _server
     if not enabled() or local_rank() != 0 or ADDRESS_ENV in os.environ:
         return None

@@ -137,6 +137,24 @@ def retire(comm: MPI.Comm) -> None:
     _retired.append(comm)
 
 
+def handles_held(*comms: MPI.Comm) -> dict[str, int]:
+    """What this process holds of MPI's handles, for the soak's leak check (a few microseconds).
+
+    comms_retired: the communicators kept by `retire`.  comm_index: Open MPI's highest index among `comms`
+    (pass the newest communicators): every communicator made in this process and never freed takes the lowest free
+    index, and mpi4py frees none it drops, so this counts all of them (spawn and merge ones included).
+    group_index: the index a new group takes, the same count for groups (flat: a communicator's
+    Get_group hands out its own group again).
+    """
+    probe = MPI.COMM_SELF.Get_group().Incl([0])
+    try:
+        groups = probe.py2f()
+    finally:
+        probe.Free()
+    return {"comms_retired": len(_retired), "group_index": groups,
+            "comm_index": max((c.py2f() for c in comms if c != MPI.COMM_NULL), default=-1)}
+
+
 class Comm(Protocol):
     """What the optimizer, the sampler and the trainer need of a communicator (every class here has it)."""
 
@@ -334,7 +352,7 @@ class FaultTolerantComm(_CommBase):
             detect_ms=(t_error - t_start) * 1e3, commit_agree_ms=agree_ms,
             revoke_ms=report["revoke_ms"], shrink_ms=report["shrink_ms"], agree_ms=report["agree_ms"],
             shrinks=report["shrinks"], size_before=size_before, size_after=self.size,
-            removed=sorted(set(alive_before) - set(self.alive)))
+            removed=sorted(set(alive_before) - set(self.alive)), extra={"handles": handles_held(fresh)})
         self.events.append(event)
         for fn in self._listeners:
             fn(event)
