@@ -15,9 +15,14 @@ seen (the table says how many).  Audit lines a rank wrote before its latest
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import json
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..core.events import Event, read_rank_logs, select
 from ..core.modes import DataPolicy
@@ -65,6 +70,65 @@ def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[Ep
     return [EpochAudit(e, count, len(c) + before.get(e, 0), sum(c.values()) - len(c),
                        count - len(c) - before.get(e, 0), e in closed, before.get(e, 0))
             for e, c in sorted(seen.items())]
+
+
+def audit_files(out_dir: str | Path) -> list[EpochAudit]:
+    """audit_logs' verdict, read line by line: memory for one step's lines and one epoch's records however long
+    the run (a 1000-failure soak logs tens of millions of lines, which read_rank_logs would hold as dicts).
+
+    Every log holds its steps in order (a newcomer appends to its slot's log from the step it joined), so the
+    logs are merged by step and each epoch is judged once its last step has passed.  A resumed run raises
+    ValueError (its lines before the latest resume belong to rolled-back steps): audit it with audit_logs.
+    """
+    paths = sorted(Path(out_dir).glob("rank*.jsonl"))
+    count, closed_by, ended = None, [], []
+    for path in paths:
+        closed: set[int] = set()
+        ends = False
+        for x in _lines(path, (b'{"event": "start"', b'{"event": "resume"', b'{"event": "epoch"',
+                               b'{"event": "end"')):
+            if x["event"] == Event.RESUME:
+                raise ValueError(f"{path.name}: a resumed run; audit it with audit_logs")
+            if x["event"] == Event.START and count is None:
+                count = x["count"]
+            if x["event"] == Event.EPOCH:
+                closed.add(x["epoch"])
+            ends = ends or x["event"] == Event.END
+        closed_by.append(closed)
+        ended.append(ends)
+    if count is None:
+        return []
+    # As audit_logs: the epochs closed by the ranks that ended (all of them when none did).
+    closed = set().union(*(c for c, e in zip(closed_by, ended) if e or not any(ended)))
+    rows: list[EpochAudit] = []
+    seen: dict[int, Counter] = {}
+
+    def judge(below: float) -> None:
+        for e in sorted(k for k in seen if k < below):
+            c = seen.pop(e)
+            rows.append(EpochAudit(e, count, len(c), sum(c.values()) - len(c), count - len(c), e in closed))
+
+    merged = heapq.merge(*(_lines(p, (b'{"event": "audit"',)) for p in paths), key=lambda x: x["step"])
+    for _, group in itertools.groupby(merged, key=lambda x: x["step"]):
+        lines = list(group)
+        last = max(x["attempt"] for x in lines)
+        for x in lines:
+            if x["attempt"] == last:
+                if x["epoch"] not in seen:
+                    judge(x["epoch"])       # steps come in order: every earlier epoch is complete
+                    seen[x["epoch"]] = Counter()
+                seen[x["epoch"]].update(x["ids"])
+    judge(float("inf"))
+    return rows
+
+
+def _lines(path: Path, kinds: tuple[bytes, ...]) -> Iterator[dict]:
+    """The records of these kinds in one rank log, in order; a last line without its newline (a rank killed while
+    writing it) is left out, as read_rank_logs does."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.endswith(b"\n") and line.startswith(kinds):
+                yield json.loads(line)
 
 
 def main(out_dir: str) -> int:
