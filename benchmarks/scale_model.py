@@ -10,15 +10,19 @@ rate).  Writes scale_model.json and scale_model.png.
 
 The model (benchmarks/README.md, "A model to 10,000 ranks", says why each form and each assumption):
 
-    recovery(N) = detect + commit_agree(N) + repair(N) + hand-over(S) + redo(G, N)
+    recovery(N) = detect + notice(N) + commit_agree(N) + repair(N) + hand-over(S) + redo(G, N)
 
+* detection: constant (the kernel's teardown of the process and PRRTE's notice to its daemon: no measured trend
+  with n);
+* the notice reaching every survivor: on one host PRRTE's daemon tells each local rank in turn (the GPU host's
+  shrink after a kill grows linearly with its ranks: fitted, ms per local rank); on a cluster each node's daemon
+  tells its own --ranks-per-node after ceil(log_radix(nodes)) hops of PRRTE's tree (--hop-ms each);
 * agree and shrink without a failure: a + b log2 N (ULFM's agreement is a tree), fitted on the GPU host's
   failure-free shrink, which no oversubscription bends, and scaled by --latency-ratio (network over shared
   memory; the agree as its measured fraction of the shrink);
 * the fault path's commit agree, repair (revoke, shrink, agree, the world's re-split) and respawn join: each
   the same job's failure-free cost times its ratio to it, measured at 2..64 ranks and fitted r0 + r1 log2 n
   (oversubscription slows both alike: the ratio is what the fault path adds);
-* detection: constant (the kernel's teardown of the process and PRRTE's notice: no measured trend with n);
 * hand-over: serialize + S / bandwidth + load (point to point, to the replacement only);
 * redo: the failed step's allreduce of the gradients again, 2 G / bandwidth + 2 log2 N latencies.
 
@@ -113,17 +117,39 @@ def scale_series(scale: dict[str, Any]) -> dict[str, tuple[list[int], list[float
     return out
 
 
-def ratios(series: dict[str, tuple[list[int], list[float]]]) -> dict[str, tuple[list[int], list[float]]]:
-    """Each fault-path cost over the same job's failure-free cost at the same n (ms over ms)."""
+def ratios(series: dict[str, tuple[list[int], list[float]]],
+           shrink: dict[str, Any] | None) -> dict[str, tuple[list[int], list[float]]]:
+    """Each fault-path cost over the same job's failure-free cost at the same n (ms over ms): bench_scale's
+    (commit agree / agree, repair, join and the shrink / shrink + agree), pooled with bench_shrink's (commit
+    agree / agree, shrink / shrink + agree) where its run is given."""
     ff = {n: (s + a) * 1e-3 for n, s, a in zip(series["shrink_us"][0], series["shrink_us"][1],
                                                  series["agree_us"][1])}
     agree = dict(zip(series["agree_us"][0], (v * 1e-3 for v in series["agree_us"][1])))
-    out = {}
+    out: dict[str, tuple[list[int], list[float]]] = {}
     for key, den in (("commit_agree_ms", agree), ("repair_ms", ff), ("join_ms", ff), ("shrink_ms", ff)):
         if key in series:
             pts = [(n, v / den[n]) for n, v in zip(*series[key]) if n in den and den[n] > 0]
             out[key] = ([p[0] for p in pts], [p[1] for p in pts])
+    for n, v in ((int(k), v) for k, v in ((shrink or {}).get("by_n") or {}).items()):
+        a, s = v["agree_ff_us"]["median"] * 1e-3, v["shrink_ff_us"]["median"] * 1e-3
+        for key, num, den in (("commit_agree_ms", v["commit_agree_ms"]["median"], a),
+                              ("shrink_ms", v["shrink_ms"]["median"], s + a)):
+            if den > 0 and num > 0:
+                out.setdefault(key, ([], []))
+                out[key][0].append(n)
+                out[key][1].append(num / den)
     return out
+
+
+def ratio_fit(n: list[int], y: list[float]) -> dict[str, Any]:
+    """A ratio's form: constant (its median) or a + b log2 n, whichever has the smaller relative error on the
+    points (a trend the points do not show is not extrapolated to 10,000 ranks)."""
+    med = float(np.median(y))
+    const = {"form": "log", "a": med, "b": 0.0, "n": list(n), "y": list(y),
+             "rms_rel_error": float(np.sqrt(np.mean(((med - np.asarray(y)) / np.asarray(y)) ** 2)))}
+    log = fit(n, y, "log")
+    better = log["b"] > 0 and log["rms_rel_error"] < 0.8 * const["rms_rel_error"]
+    return {"constant": const, "log": log, "used": log if better else const}
 
 
 # --------------------------------------------------------------------------- what a hand-over does to the state
@@ -167,7 +193,7 @@ def measure_serialization(params: int = RESNET50_PARAMS) -> dict[str, Any]:
 def model(inputs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The fits, the checks against recorded figures, and the predictions at PREDICT_AT."""
     series = scale_series(inputs["scale"])
-    rat = ratios(series)
+    rat = ratios(series, inputs.get("shrink"))
     gpu = GPU_HOST_SHRINK
     fits: dict[str, Any] = {
         "gpu_host_shrink_ff_us": both(gpu["n"], gpu["shrink_ff_us"]),
@@ -178,12 +204,29 @@ def model(inputs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             fits[f"here_{key}"] = both(n, y)
     for key, (n, y) in rat.items():
         if len(n) >= 2:
-            fits[f"ratio_{key}"] = both(n, y)
+            fits[f"ratio_{key}"] = {**both(n, y), "model": ratio_fit(n, y)}
     if inputs.get("shrink"):
         sh = {int(k): v for k, v in inputs["shrink"]["by_n"].items()}
         ns = sorted(sh)
         for key in ("agree_ff_us", "shrink_ff_us", "shrink_ms", "commit_agree_ms"):
             fits[f"here_bench_shrink_{key}"] = both(ns, [sh[n][key]["median"] for n in ns])
+    # The failure's notice reaching every survivor: on one host PRRTE's daemon tells each local rank in turn, so
+    # the GPU host's shrink after a SIGKILL grows with the ranks on the host (fitted linear: ms per local rank);
+    # on a cluster each node's daemon tells its own ranks, after ceil(log_radix(nodes)) hops of PRRTE's tree.
+    # (Least squares on the values, not their ratios: the milliseconds at 8 and 16 ranks are what matter.)
+    b, a = np.polyfit(gpu["n"], gpu["shrink_after_ms"], 1)
+    pred = a + b * np.asarray(gpu["n"], dtype=float)
+    rel = pred / np.asarray(gpu["shrink_after_ms"]) - 1
+    fits["notify_ms"] = {"form": "linear", "a": float(a), "b": float(b), "n": gpu["n"], "y": gpu["shrink_after_ms"],
+                         "abs_rms_error_ms": float(np.sqrt(np.mean((pred - gpu["shrink_after_ms"]) ** 2))),
+                         "rel_error": rel.tolist()}
+    on_host = fits["notify_ms"]
+
+    def notify_ms(n: float) -> float:
+        nodes = max(1.0, n / args.ranks_per_node)
+        return (max(0.0, at(on_host, min(n, args.ranks_per_node)))
+                + math.ceil(math.log(nodes, args.prrte_radix)) * args.hop_ms)
+
     # The failure-free shrink at scale: the GPU host's log fit, times the latency ratio; the agree as its
     # measured fraction of the shrink (this machine, same job, every n).
     shrink_cluster = fits["gpu_host_shrink_ff_us"]["log"]
@@ -199,7 +242,7 @@ def model(inputs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         f = fits.get(f"ratio_{key}")
         if f is None:
             return math.nan
-        return max(0.0, at(f["log"], n))
+        return max(0.0, at(f["model"]["used"], n))
 
     # Detection: the 16-core host's kill -> first error (CPU ranks; no trend between 4 and 8), and a GPU rank's.
     det = inputs.get("detect_h200")
@@ -218,6 +261,7 @@ def model(inputs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         state = ser[optimizer]
         parts = {
             "detect_ms": detect_ms,
+            "notify_ms": notify_ms(n),
             "commit_agree_ms": ratio_at("commit_agree_ms", n) * a,
             "repair_ms": ratio_at("repair_ms", n) * (s + a),
             "handover_ms": (state["sender_s"] + state["bytes"] / link + alpha + state["receiver_s"]) * 1e3,
@@ -237,43 +281,29 @@ def model(inputs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                        "comms_per_failure": per_failure,
                        "bytes_per_failure": (at(mem["linear"], n) if mem else math.nan) * per_failure}
               for n in PREDICT_AT}
-    checks = check_recorded(inputs, fits, rat, agree_frac)
+    checks = check_recorded(inputs, fits, agree_frac)
     return {"fits": fits, "agree_over_shrink": agree_frac, "detect_ms": {"cpu": detect_cpu, "gpu": detect_gpu},
             "serialization": ser, "predictions": predictions, "memory_per_failure": memory, "checks": checks,
             "assumptions": {"latency_ratio": lam, "link_gbps": args.link_gbps, "link_latency_us": args.link_latency_us,
-                            "state_params": RESNET50_PARAMS, "gradient_bytes": grads}}
+                            "ranks_per_node": args.ranks_per_node, "prrte_radix": args.prrte_radix,
+                            "hop_ms": args.hop_ms, "state_params": RESNET50_PARAMS, "gradient_bytes": grads}}
 
 
-def check_recorded(inputs: dict[str, Any], fits: dict[str, Any], rat: dict[str, Any],
-                   agree_frac: float) -> list[dict[str, Any]]:
-    """The model against figures it was not fitted on: the GPU host's after-failure shrink and commit agree
-    (predicted from this machine's ratios and the GPU host's failure-free shrink, at its own shared memory:
-    latency ratio 1), and this machine's bench_shrink runs (predicted from bench_scale's fits)."""
+def check_recorded(inputs: dict[str, Any], fits: dict[str, Any], agree_frac: float) -> list[dict[str, Any]]:
+    """The model against figures it was not fitted on: the GPU host's commit agree after a SIGKILL (bench_detect, at
+    4 and 8 ranks on one host, where every rank is local): the notice to every local rank, fitted on the same
+    host's bench_shrink, plus the agree the ratio measured here makes of the failure-free one."""
     out = []
-    shrink_cluster = fits["gpu_host_shrink_ff_us"]["log"]
-    for n, rec in zip(GPU_HOST_SHRINK["n"], GPU_HOST_SHRINK["shrink_after_ms"]):
-        if "ratio_shrink_ms" in fits:
-            s = at(shrink_cluster, n) * 1e-3
-            pred = max(0.0, at(fits["ratio_shrink_ms"]["log"], n)) * s * (1 + agree_frac)
-            out.append({"figure": "GPU host: shrink after a SIGKILL (bench_shrink)", "n": n, "recorded_ms": rec,
-                        "model_ms": pred, "rel_error": pred / rec - 1})
     det = inputs.get("detect_h200")
+    shrink_cluster = fits["gpu_host_shrink_ff_us"]["log"]
     if det and "ratio_commit_agree_ms" in fits:
         for n in (4, 8):
             rec = float(np.median([det["by_n"][m][str(n)]["commit_agree_ms"]["median"] for m in ("poll", "block")]))
-            pred = max(0.0, at(fits["ratio_commit_agree_ms"]["log"], n)) * agree_frac * at(shrink_cluster, n) * 1e-3
+            pred = (max(0.0, at(fits["notify_ms"], n))
+                    + max(0.0, at(fits["ratio_commit_agree_ms"]["model"]["used"], n)) * agree_frac
+                    * at(shrink_cluster, n) * 1e-3)
             out.append({"figure": "GPU host: commit agree after a SIGKILL (bench_detect)", "n": n, "recorded_ms": rec,
                         "model_ms": pred, "rel_error": pred / rec - 1})
-    sh = inputs.get("shrink")
-    if sh:
-        for key, here in (("shrink_ff_us", "here_shrink_us"), ("agree_ff_us", "here_agree_us")):
-            if here not in fits:
-                continue
-            for n, v in sh["by_n"].items():
-                pred = at(fits[here]["linear" if fits[here]["grows_like"].startswith("n") else "log"], int(n))
-                out.append({"figure": f"this machine: {key} (bench_shrink, from bench_scale's fit)", "n": int(n),
-                            "recorded_ms": v[key]["median"] * 1e-3, "model_ms": pred * 1e-3,
-                            "rel_error": pred / v[key]["median"] - 1})
     return out
 
 
@@ -295,7 +325,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
         f = res["fits"].get(key)
         if not f:
             continue
-        log = f["log"]
+        log = f["model"]["used"] if "model" in f else f["log"]     # a ratio: the form the model extrapolates
         style = "s" if key.startswith("gpu") else ("o" if key.startswith("here") else "^")
         ax.plot(log["n"], log["y"], style, color=color, ms=4, label=label)
         xs = np.geomspace(2, max(log["n"]), 50)
@@ -303,7 +333,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks n")
-    ax.set_title("measured (points) and a + b log2 n (lines)")
+    ax.set_title("measured (points) and a + b log2 n, or a ratio's median (lines)")
     ax.legend(fontsize=6.5)
     ax.grid(True, which="both", alpha=0.3)
     ns = sorted(int(n) for n in res["predictions"])
@@ -336,6 +366,10 @@ def main(argv: list[str]) -> int:
                         "over InfiniBand against 0.5 µs)")
     p.add_argument("--link-gbps", type=float, default=100.0, help="the network's bandwidth per node (Gbit/s)")
     p.add_argument("--link-latency-us", type=float, default=2.0, help="the network's latency per message (µs)")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks on one node (GPUs per node)")
+    p.add_argument("--prrte-radix", type=int, default=64, help="the fan-out of PRRTE's daemon tree (its default)")
+    p.add_argument("--hop-ms", type=float, default=0.5,
+                   help="one hop of a failure's notice between two nodes' PRRTE daemons (ms)")
     p.add_argument("--no-measure", action="store_true",
                    help="do not time the serialization: take --serialization-gbps instead (seconds, not minutes)")
     p.add_argument("--serialization-gbps", type=float, default=8.0,
@@ -357,14 +391,17 @@ def main(argv: list[str]) -> int:
     rows = []
     for n in PREDICT_AT:
         for key, v in res["predictions"][str(n)].items():
-            rows.append([n, key, *(common.fmt(v[k]) for k in ("detect_ms", "commit_agree_ms", "repair_ms",
+            rows.append([n, key, *(common.fmt(v[k]) for k in ("detect_ms", "notify_ms", "commit_agree_ms", "repair_ms",
                                                                "handover_ms", "redo_ms", "recovery_ms",
                                                                "respawn_join_ms"))])
-    table = common.table(["N", "state, ranks", "detect", "commit agree", "repair", "hand-over", "redo",
+    table = common.table(["N", "state, ranks", "detect", "notice", "commit agree", "repair", "hand-over", "redo",
                           "recovery (ms)", "respawn join"], rows)
     print(table)
     print("\nFits (rms relative error on the measured points; which form the points follow):")
     for key, f in res["fits"].items():
+        if "log" not in f:
+            print(f"  {key}: {f['form']} a={f['a']:.3g} b={f['b']:.3g}, rms error {f['abs_rms_error_ms']:.2g} ms")
+            continue
         print(f"  {key}: log {f['log']['rms_rel_error']:.2f}, linear {f['linear']['rms_rel_error']:.2f}, "
               f"n^{f['power_exponent']:.2f}: grows like {f['grows_like']}")
     print("\nChecks against recorded figures (model / recorded - 1):")

@@ -220,7 +220,7 @@ def test_scale_model_fits_checks_and_predicts_from_the_committed_figures(tmp_pat
         for key, parts in data["predictions"][n].items():
             assert 0 < parts["recovery_ms"] < math.inf, (n, key)
             assert parts["recovery_ms"] == pytest.approx(sum(parts[k] for k in (
-                "detect_ms", "commit_agree_ms", "repair_ms", "handover_ms", "redo_ms")))
+                "detect_ms", "notify_ms", "commit_agree_ms", "repair_ms", "handover_ms", "redo_ms")))
         # Adam's two moments triple what a replacement is handed.
         assert data["predictions"][n]["adam, cpu ranks"]["handover_ms"] > data["predictions"][n]["sgd, cpu ranks"][
             "handover_ms"]

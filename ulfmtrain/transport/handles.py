@@ -27,7 +27,7 @@ def handles_held(*comms: MPI.Comm) -> dict[str, int]:
     """What this process holds of MPI's handles, for the soak's leak check (a few microseconds).
 
     comms_retired: the communicators kept by `retire`.  comm_index: Open MPI's highest index among `comms`
-    (pass the newest communicators): every communicator made in this process and never freed takes the lowest
+    (pass the newest communicators) and the last ones retired: every communicator made in this process and never freed takes the lowest
     free index, and mpi4py frees none it drops, so this counts all of them (spawn and merge ones included).
     group_index: the index a new group takes, the same count for groups: each communicator's own, and after
     the first failure two more per agreement (Open MPI 5.0.11's, not freed: benchmarks/README.md).
@@ -37,5 +37,6 @@ def handles_held(*comms: MPI.Comm) -> dict[str, int]:
         groups = probe.py2f()
     finally:
         probe.Free()
+    newest = [*comms, *_retired[-4:]]        # (a communicator retired just now may be the newest)
     return {"comms_retired": len(_retired), "group_index": groups,
-            "comm_index": max((c.py2f() for c in comms if c != MPI.COMM_NULL), default=-1)}
+            "comm_index": max((c.py2f() for c in newest if c != MPI.COMM_NULL), default=-1)}
