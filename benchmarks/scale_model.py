@@ -89,8 +89,10 @@ def both(n: Any, y: Any) -> dict[str, Any]:
     log, lin = fit(n, y, "log"), fit(n, y, "linear")
     # The exponent k of y ~ n^k over the points: log2 n itself has k of about 0.5 between 2 and 64.
     k = float(np.polyfit(np.log(np.asarray(n, dtype=float)), np.log(np.asarray(y, dtype=float)), 1)[0])
-    return {"log": log, "linear": lin, "power_exponent": k,
-            "grows_like": "log n" if log["rms_rel_error"] <= lin["rms_rel_error"] else "n (faster than log n)"}
+    e_log, e_lin = log["rms_rel_error"], lin["rms_rel_error"]
+    grows = ("flat or falling" if k <= 0.05 else "undecided (the two fit alike)" if abs(e_log - e_lin) < 0.1 * max(
+        e_log, e_lin) else "log n" if e_log < e_lin else "n (faster than log n)")
+    return {"log": log, "linear": lin, "power_exponent": k, "grows_like": grows}
 
 
 # --------------------------------------------------------------------------- inputs
@@ -403,7 +405,7 @@ def main(argv: list[str]) -> int:
             print(f"  {key}: {f['form']} a={f['a']:.3g} b={f['b']:.3g}, rms error {f['abs_rms_error_ms']:.2g} ms")
             continue
         print(f"  {key}: log {f['log']['rms_rel_error']:.2f}, linear {f['linear']['rms_rel_error']:.2f}, "
-              f"n^{f['power_exponent']:.2f}: grows like {f['grows_like']}")
+              f"n^{f['power_exponent']:.2f}: {f['grows_like']}")
     print("\nChecks against recorded figures (model / recorded - 1):")
     for c in res["checks"]:
         print(f"  {c['figure']}, n={c['n']}: recorded {common.fmt(c['recorded_ms'])} ms, model "
