@@ -78,17 +78,19 @@ class Launch:
 
 
 def run_mpi(cmd: list[str], timeout: float, log: Path, done: Callable[[], bool] | None = None,
-            grace: float = 20.0) -> Launch:
+            grace: float = 20.0, env: dict[str, str] | None = None) -> Launch:
     """Run mpirun until it exits, the timeout passes, or `done()` has held for `grace` seconds.
 
     `done` says every rank has written its results: a job whose MPI_Finalize
     hangs after a failure (ompi #11404) then costs `grace` seconds, not `timeout`.
+    env: variables added to the ranks' environment.
     """
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         # Own session, so stopping it reaches mpirun and every rank it started, and nothing else.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **env} if env else None)
         done_since: float | None = None
         rc = None
         while True:

@@ -30,7 +30,10 @@ SCRIPTS = {
     "spawn_link": "bench_spawn_link.py",
     "startup": "bench_startup.py",
     "peers": "bench_peers.py",      # DDP+torchrun and torchft (its own virtualenv, made once) beside ulfmtrain
+    "scale": "bench_scale.py",      # the fault path from 2 to 64 ranks (the C path; its long run: README)
 }
+# Left out of the default run (its full size takes an hour on 2 cores: benchmarks/README.md); --only runs it.
+LONG = ("scale",)
 # The smallest run of each benchmark that still exercises all of its code.
 QUICK_ARGS = {
     "shrink": ["--ranks", "2", "--repeats", "1", "--iters", "3", "--warmup", "3"],
@@ -45,6 +48,7 @@ QUICK_ARGS = {
     "peers": ["--repeats", "1", "--epochs", "3", "--kill-step", "12", "--ckpt-every", "8", "--phases", "between",
               "--configs", "ddp+torchrun", "ulfmtrain shrink", "--no-torchft",
               "--no-failure-free"],
+    "scale": ["--ranks", "2", "--repeats", "1", "--iters", "3", "--held-comms", "3"],
 }
 
 
@@ -80,6 +84,9 @@ def headline(results: Path, name: str) -> str:
         return (f"Open MPI's default BTLs / the launcher's: MPI_Init {h['init_s_default_over_launcher']:.1f}x, "
                 f"MPI_Comm_spawn {h['spawn_s_default_over_launcher']:.1f}x, "
                 f"whole job {h['job_s_default_over_launcher']:.1f}x")
+    if name == "scale":
+        return "kill -> step committed / respawn join, ms (slowest rank): " + ", ".join(
+            f"{k} {v['kill_to_commit_ms']:.1f} / {v['join_ms']:.1f}" for k, v in h.items())
     if name == "peers":
         return ("failure-free step / DDP: " + ", ".join(f"{k} {v:.2f}" for k, v in h["step_over_ddp"].items())
                 + "\n    kill -> next committed step, s: "
@@ -95,7 +102,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=common.DEFAULT_RESULTS)
     p.add_argument("--quick", action="store_true", help="smallest sizes (a smoke run, not a measurement)")
-    p.add_argument("--only", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
+    p.add_argument("--only", nargs="+", choices=list(SCRIPTS), default=[k for k in SCRIPTS if k not in LONG])
     args = p.parse_args(argv)
 
     t_all = time.perf_counter()

@@ -82,6 +82,33 @@ int ftc_bcast_try(void *buf, MPI_Count count, MPI_Datatype datatype,
     return attempt_done(rc, comm);
 }
 
+int ftc_send_try(const void *buf, MPI_Count count, MPI_Datatype datatype,
+                 int dest, int tag, MPI_Comm comm)
+{
+    MPI_Aint lb, extent;
+    int rc = MPI_Type_get_extent(datatype, &lb, &extent);
+    for (MPI_Count done = 0; rc == MPI_SUCCESS && done < count;) {
+        MPI_Count n = count - done < ftc_max_chunk ? count - done : ftc_max_chunk;
+        rc = MPI_Send((const char *)buf + done * extent, (int)n, datatype, dest, tag, comm);
+        done += n;
+    }
+    return attempt_done(rc, comm);
+}
+
+int ftc_recv_try(void *buf, MPI_Count count, MPI_Datatype datatype,
+                 int source, int tag, MPI_Comm comm)
+{
+    MPI_Aint lb, extent;
+    int rc = MPI_Type_get_extent(datatype, &lb, &extent);
+    for (MPI_Count done = 0; rc == MPI_SUCCESS && done < count;) {
+        MPI_Count n = count - done < ftc_max_chunk ? count - done : ftc_max_chunk;
+        rc = MPI_Recv((char *)buf + done * extent, (int)n, datatype, source, tag, comm,
+                      MPI_STATUS_IGNORE);
+        done += n;
+    }
+    return attempt_done(rc, comm);
+}
+
 int ftc_agree(MPI_Comm comm, int *flag)
 {
     return ftc_status_of(MPIX_Comm_agree(comm, flag));

@@ -51,6 +51,14 @@ int ftc_allreduce_try(const void *sendbuf, void *recvbuf, MPI_Count count,
 int ftc_bcast_try(void *buf, MPI_Count count, MPI_Datatype datatype,
                   int root, MPI_Comm comm);
 
+/* One attempt of a point-to-point transfer (the hand-over of the state to a
+ * replacement, which only it needs), with the same rules: chunked counts,
+ * and on any error the communicator is revoked. */
+int ftc_send_try(const void *buf, MPI_Count count, MPI_Datatype datatype,
+                 int dest, int tag, MPI_Comm comm);
+int ftc_recv_try(void *buf, MPI_Count count, MPI_Datatype datatype,
+                 int source, int tag, MPI_Comm comm);
+
 /* Revoke comm (after an error met elsewhere, e.g. in an mpi4py call). */
 void ftc_revoke(MPI_Comm comm);
 

@@ -6,6 +6,7 @@ were right), never how fast anything was.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +187,96 @@ def test_bench_peers_committed_table_is_its_json() -> None:
     assert any(k.startswith("torchft") for k in data["by_n"]["4"]), "the committed run has no torchft rows"
     for key, s in data["by_n"]["4"].items():
         assert not s["errors"], (key, s["errors"])
+
+
+@pytest.mark.timeout(240)
+def test_bench_scale(tmp_path: Path) -> None:
+    # One job of 2 ranks and a spare: the references, the kill, the spare's hand-over and the respawned spare.
+    data = run_quick("scale", tmp_path, 230)
+    n2 = data["by_n"]["2"]
+    assert all(n2["checks"].values()), n2["checks"]     # the spare took the slot alone, the newcomer joined
+    for key in ("detect_ms", "shrink_ms", "repair_ms", "handover_ms", "redo_ms", "kill_to_commit_ms", "join_ms",
+                "agree_us", "shrink_us", "step_ms", "p2p_ms", "bcast_ms"):
+        assert n2[key]["n"] == 1 and n2[key]["median"] > 0, key
+    assert set(n2["ratios"]) == {"repair / (shrink + agree)", "hand-over / p2p", "kill -> committed / step",
+                                 "join / step"}
+    assert n2["comms_per_failure"]["median"] >= 2          # a repair retires the world and the training comm
+    (run,) = data["runs"]["2"]
+    assert run["newcomer"]["role"] == "newcomer" and run["newcomer"]["joined"]["forked"] is not None
+    assert "no torch" in data["path"]
+
+
+def test_scale_model_fits_checks_and_predicts_from_the_committed_figures(tmp_path: Path) -> None:
+    import shutil
+
+    for name in ("scale", "shrink", "detect_h200", "gpu"):
+        shutil.copy(BENCH / "results" / f"{name}.json", tmp_path)
+    cmd = [sys.executable, str(BENCH / "scale_model.py"), "--results", str(tmp_path), "--no-measure"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "scale_model.json").read_text())
+    assert ENVIRONMENT <= set(data["environment"])
+    for n in ("1000", "10000"):
+        for key, parts in data["predictions"][n].items():
+            assert 0 < parts["recovery_ms"] < math.inf, (n, key)
+            assert parts["recovery_ms"] == pytest.approx(sum(parts[k] for k in (
+                "detect_ms", "notify_ms", "commit_agree_ms", "repair_ms", "handover_ms", "redo_ms")))
+        # Adam's two moments triple what a replacement is handed.
+        assert data["predictions"][n]["adam, cpu ranks"]["handover_ms"] > data["predictions"][n]["sgd, cpu ranks"][
+            "handover_ms"]
+    # The GPU host's failure-free shrink follows a + b log2 n (the reason the model scales with it).
+    f = data["fits"]["gpu_host_shrink_ff_us"]
+    assert f["grows_like"] == "log n" and f["log"]["rms_rel_error"] < 0.1, f
+    assert data["checks"] and all(math.isfinite(c["rel_error"]) for c in data["checks"])
+    assert (tmp_path / data["plot"]).stat().st_size > 0
+    # Without bench_scale's figures it says what to run.
+    (tmp_path / "scale.json").unlink()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "bench_scale.py" in proc.stderr
+
+
+def _soak_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_soak", BENCH / "bench_soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_soak_leak_slope_and_episodes() -> None:
+    """The soak's arithmetic: a leak of 3000 bytes per failure in processes that each start elsewhere is found
+    whatever their intercepts; kills of one episode count once for the world's restoration."""
+    import numpy as np
+
+    soak = _soak_module()
+    rng = np.random.default_rng(0)
+    series = {pid: [(x, 1e8 * pid + 3000 * x + rng.normal(0, 500)) for x in range(pid, pid + 20)]
+              for pid in (1, 2, 3)}
+    fit = soak.pooled_slope(series)
+    assert abs(fit["slope"] - 3000) < 4 * fit["stderr"] and fit["series"] == 3 and fit["points"] == 60, fit
+    flat = soak.pooled_slope({1: [(x, 7.0) for x in range(10)]})
+    assert flat["slope"] == 0 and flat["stderr"] == 0
+    # Per failure and per step at once: 3000 bytes a failure and 200 a step, steps between failures uneven.
+    both = {pid: [(f, s, 1e8 * pid + 3000 * f + 200 * s + rng.normal(0, 500))
+                  for f, s in zip(range(30), np.cumsum(rng.integers(50, 150, 30)))] for pid in (1, 2)}
+    fit2 = soak.pooled_fit(both)
+    assert abs(fit2["per_failure"]["slope"] - 3000) < 4 * fit2["per_failure"]["stderr"] + 50, fit2
+    assert abs(fit2["per_step"]["slope"] - 200) < 4 * fit2["per_step"]["stderr"] + 1, fit2
+    kills = [{"t": 10.0, "episode": 0, "kind": "step"}, {"t": 10.05, "episode": 0, "kind": "repair"},
+             {"t": 20.0, "episode": 1, "kind": "step"}]
+    eps = soak.episodes(kills)
+    assert [(e["first"], e["last"], e["kinds"]) for e in eps] == [(10.0, 10.05, ["step", "repair"]),
+                                                                  (20.0, 20.0, ["step"])]
+    assert eps[0]["next"] == 20.0 and eps[1]["next"] == math.inf
+    # Kills logged before episodes existed are one each.
+    assert len(soak.episodes([{"t": 1.0}, {"t": 2.0}])) == 2
+
+
+def test_soak_lost_time_at_its_own_pace_counts_the_gap_across_the_kill() -> None:
+    """Steps 1 s apart, then a kill at 19.5 and the next step at 22: 2 s lost.  (It read 0: the gap from the last
+    step before the kill to the first after it, the recovery itself, was left out; failed so first.)"""
+    import numpy as np
+
+    t = np.array([float(i) for i in range(20)] + [22.0 + i for i in range(20)])
+    assert _soak_module().lost_at_own_pace(t, [{"t": 19.5}]) == pytest.approx(2.0)

@@ -19,6 +19,8 @@ cdef extern from "ftcoll.h" nogil:
     int ftc_allreduce_try(const void *sendbuf, void *recvbuf, MPI_Count count,
                           MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
     int ftc_bcast_try(void *buf, MPI_Count count, MPI_Datatype datatype, int root, MPI_Comm comm)
+    int ftc_send_try(const void *buf, MPI_Count count, MPI_Datatype datatype, int dest, int tag, MPI_Comm comm)
+    int ftc_recv_try(void *buf, MPI_Count count, MPI_Datatype datatype, int source, int tag, MPI_Comm comm)
     void ftc_revoke(MPI_Comm comm)
     int ftc_agree(MPI_Comm comm, int *flag)
     int ftc_repair(MPI_Comm *comm, ftc_report *report)

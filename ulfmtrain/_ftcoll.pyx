@@ -52,22 +52,46 @@ def allreduce_try(MPI.Comm comm, sendbuf, recvbuf, MPI.Op op):
     return status
 
 
-def bcast_try(MPI.Comm comm, buf, int root):
-    """Broadcast buf from root once; on an error revoke comm. Return OK, FAILED or ERROR."""
+cdef enum:
+    _BCAST, _SEND, _RECV
+
+
+cdef int _transfer(int kind, MPI.Comm comm, buf, int peer, int tag) except -1:
+    """One attempt of a broadcast from peer, a send to it or a receive from it; on an error revoke comm."""
     cdef Py_buffer b
     cdef MPI_Comm handle = comm.ob_mpi
     cdef MPI_Datatype dtype
     cdef MPI_Count count
     cdef int status
-    PyObject_GetBuffer(buf, &b, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)
+    PyObject_GetBuffer(buf, &b, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT | (0 if kind == _SEND else PyBUF_WRITABLE))
     try:
         dtype = _datatype(&b)
         count = <MPI_Count>(b.len // b.itemsize)
         with nogil:
-            status = ftc_bcast_try(b.buf, count, dtype, root, handle)
+            if kind == _BCAST:
+                status = ftc_bcast_try(b.buf, count, dtype, peer, handle)
+            elif kind == _SEND:
+                status = ftc_send_try(b.buf, count, dtype, peer, tag, handle)
+            else:
+                status = ftc_recv_try(b.buf, count, dtype, peer, tag, handle)
     finally:
         PyBuffer_Release(&b)
     return status
+
+
+def bcast_try(MPI.Comm comm, buf, int root):
+    """Broadcast buf from root once; on an error revoke comm. Return OK, FAILED or ERROR."""
+    return _transfer(_BCAST, comm, buf, root, 0)
+
+
+def send_try(MPI.Comm comm, buf, int dest, int tag):
+    """Send buf to dest once; on an error revoke comm. Return OK, FAILED or ERROR."""
+    return _transfer(_SEND, comm, buf, dest, tag)
+
+
+def recv_try(MPI.Comm comm, buf, int source, int tag):
+    """Receive into buf from source once; on an error revoke comm. Return OK, FAILED or ERROR."""
+    return _transfer(_RECV, comm, buf, source, tag)
 
 
 def revoke(MPI.Comm comm):

@@ -43,9 +43,17 @@ def test_a_spare_takes_the_slot_and_the_run_ends_bit_identical(mpi, digits_dir, 
     end, logs = train(mpi, digits_dir, tmp_path, 1, kill)
     assert end["world_history"] == [SLOTS, SLOTS]                  # the world never shrank
     dead = kill.split("@")[0]
-    (rec,) = select(logs[min(s for s in range(SLOTS) if str(s) != dead)], "recovery")
+    survivors = [s for s in range(SLOTS) if str(s) != dead]
+    (rec,) = select(logs[survivors[0]], "recovery")
     assert rec["removed"] == [] and list(rec["replaced"]) == [dead], rec
     assert end["checksum"] == failure_free["checksum"]             # where the failure-free run ends
+    # The lowest survivor sent the state to the spare alone: the other survivor received none of it (a
+    # broadcast over every slot made each survivor receive the whole state it already held).
+    (other,) = select(logs[survivors[1]], "recovery")
+    assert rec["handover_bytes_sent"] > 0 and rec["handover_bytes_received"] == 0, rec
+    assert other["handover_bytes_sent"] == other["handover_bytes_received"] == 0, other
+    # What the communicators held, counted after the repair (the soak's leak check reads it).
+    assert rec["handles"]["comms_retired"] >= 2 and rec["handles"]["comm_index"] > rec["handles"]["comms_retired"]
 
 
 @pytest.mark.timeout(2 * BOUND_S)

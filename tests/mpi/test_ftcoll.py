@@ -46,6 +46,13 @@ def test_chunked_reduction_and_broadcast_equal_one_call(comm, chunk):
         assert _ftcoll.allreduce_try(comm, send, ours, MPI.SUM) == _ftcoll.OK
         buf = send.copy() if comm.Get_rank() == 0 else np.zeros_like(send)
         assert _ftcoll.bcast_try(comm, buf, 0) == _ftcoll.OK
+        # Point to point (the hand-over): the last rank receives rank 0's array in pieces.
+        last, got = comm.Get_size() - 1, np.zeros_like(send)
+        if comm.Get_rank() == 0:
+            assert _ftcoll.send_try(comm, send, last, 7) == _ftcoll.OK
+        if comm.Get_rank() == last:
+            assert _ftcoll.recv_try(comm, got, 0, 7) == _ftcoll.OK
+            assert np.array_equal(got, np.arange(1000, dtype=np.float64))
     finally:
         _ftcoll.set_max_chunk(2**31 - 1)
     assert np.array_equal(ours, plain) and np.array_equal(buf, np.arange(1000, dtype=np.float64))

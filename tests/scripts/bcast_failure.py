@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from ulfmtrain.transport import comm as comm_module
+from ulfmtrain.transport import handles as comm_module
 from ulfmtrain.transport.comm import FaultTolerantComm
 
 out, case = sys.argv[1], sys.argv[2]

@@ -142,3 +142,30 @@ def test_a_resumed_run_counts_the_records_committed_before_its_checkpoint_as_see
     assert audit.main(str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "3 committed before the checkpoint of step 9" in out and "exactly once" in out, out
+
+
+def test_the_audit_read_line_by_line_gives_audit_logs_verdict(tmp_path):
+    """audit_files (the soak's: a 1000-failure run's logs do not fit in memory as dicts) judges as audit_logs: a
+    redone step, a duplicate and a missing record, an unfinished epoch, a slot refilled later, a cut last line."""
+    epoch = lambda e: {"event": "epoch", "epoch": e}  # noqa: E731
+    cases = [
+        logs_of({0: [a(0, [0, 1]), a(1, [2]), *END], 1: [a(0, [3, 4]), a(1, [5]), *END]}, 6),
+        logs_of({0: [a(0, [0]), a(1, [1]), a(1, [1], attempt=1), a(2, [3]), *END], 1: [a(0, [2]), a(1, [3])]}, 4),
+        logs_of({0: [a(0, [0, 1]), a(1, [1]), *END], 1: [a(0, [2]), *END]}, 4),
+        logs_of({0: [a(0, [0]), {"event": "end"}]}, 4),
+        logs_of({0: [a(0, [0, 1]), epoch(0), a(1, [0, 1, 2, 3], epoch=1), epoch(1), a(2, [0, 1], epoch=2),
+                     epoch(2), {"event": "end"}],
+                 1: [a(0, [2, 3]), epoch(0), a(2, [2, 3], epoch=2), epoch(2), {"event": "end"}]}, 4),
+    ]
+    for i, logs in enumerate(cases):
+        d = tmp_path / str(i)
+        d.mkdir()
+        write(d, logs)
+        assert audit.audit_files(d) == audit.audit_logs(logs), i
+    with open(tmp_path / "4" / "rank1.jsonl", "a") as f:
+        f.write('{"event": "audit", "step": 3, "attempt": 0, "epoch": 3, "ids": [0, 1')   # killed mid-line
+    assert audit.audit_files(tmp_path / "4") == audit.audit_logs(cases[4])
+    resume = {"event": "resume", "step": 9, "epoch": 1, "resumed_epoch": 1, "remaining": 3}
+    write(tmp_path, logs_of({0: [resume, a(10, [0], 1), *END]}, 4))
+    with pytest.raises(ValueError, match="resumed"):
+        audit.audit_files(tmp_path)

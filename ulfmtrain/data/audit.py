@@ -21,8 +21,13 @@ earlier runs appended to the same files are left out.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import json
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..core.events import Event, select
 
@@ -87,7 +92,7 @@ def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[Ep
     closed = {x["epoch"] for x in closings}
     dropped: dict[int, set[int]] = defaultdict(set)
     for x in closings:
-        dropped[x["epoch"]].update(x.get("dropped") or ())
+        dropped[x["epoch"]].update(_by_design(x))
     rows = []
     for e in sorted(set(seen) | {e for e, d in dropped.items() if d}):
         c, d = seen[e], dropped[e]
@@ -95,3 +100,75 @@ def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[Ep
         rows.append(EpochAudit(e, count, len(c) + before.get(e, 0), twice,
                                count - len(set(c) | d) - before.get(e, 0), e in closed, before.get(e, 0), len(d)))
     return rows
+
+
+def _by_design(closing: dict) -> Iterable[int]:
+    """The records an epoch line says were dropped by design (drop_last: a list of ids).  train's lossy policy
+    logs a count there instead (records a dead rank took with it): those stay missing, which lossy allows."""
+    d = closing.get("dropped")
+    return d if isinstance(d, list) else ()
+
+
+def audit_files(out_dir: str | Path) -> list[EpochAudit]:
+    """audit_logs' verdict, read line by line: memory for one step's lines and one epoch's records however long
+    the run (a 1000-failure soak logs tens of millions of lines, which read_rank_logs would hold as dicts).
+
+    Every log holds its steps in order (a newcomer appends to its slot's log from the step it joined), so the
+    logs are merged by step and each epoch is judged once its last step has passed.  A resumed run, or a file
+    holding several runs, raises ValueError: audit it with audit_logs.
+    """
+    paths = sorted(Path(out_dir).glob("rank*.jsonl"))
+    count, closed_by, ended, jobs = None, [], [], set()
+    dropped: dict[int, set[int]] = defaultdict(set)
+    for path in paths:
+        closed: set[int] = set()
+        ends = False
+        for x in _lines(path, (b'{"event": "start"', b'{"event": "resume"', b'{"event": "epoch"',
+                               b'{"event": "end"')):
+            if x["event"] == Event.RESUME:
+                raise ValueError(f"{path.name}: a resumed run; audit it with audit_logs")
+            if x["event"] == Event.START:
+                count = x["count"] if count is None else count
+                jobs.add(x.get("job"))
+            if x["event"] == Event.EPOCH:
+                closed.add(x["epoch"])
+                dropped[x["epoch"]].update(_by_design(x))
+            ends = ends or x["event"] == Event.END
+        closed_by.append(closed)
+        ended.append(ends)
+    if len(jobs) > 1:
+        raise ValueError(f"{out_dir}: the logs hold {len(jobs)} runs; audit them with audit_logs")
+    if count is None:
+        return []
+    # As audit_logs: the epochs closed by the ranks that ended (all of them when none did).
+    closed = set().union(*(c for c, e in zip(closed_by, ended) if e or not any(ended)))
+    rows: list[EpochAudit] = []
+    seen: dict[int, Counter] = {}
+
+    def judge(below: float) -> None:
+        for e in sorted(k for k in set(seen) | {k for k, d in dropped.items() if d} if k < below):
+            c, d = seen.pop(e, Counter()), dropped.pop(e, set())
+            rows.append(EpochAudit(e, count, len(c), sum(c.values()) - len(c) + len(d & set(c)),
+                                   count - len(set(c) | d), e in closed, 0, len(d)))
+
+    merged = heapq.merge(*(_lines(p, (b'{"event": "audit"',)) for p in paths), key=lambda x: x["step"])
+    for _, group in itertools.groupby(merged, key=lambda x: x["step"]):
+        lines = list(group)
+        last = max(x["attempt"] for x in lines)
+        for x in lines:
+            if x["attempt"] == last:
+                if x["epoch"] not in seen:
+                    judge(x["epoch"])       # steps come in order: every earlier epoch is complete
+                    seen[x["epoch"]] = Counter()
+                seen[x["epoch"]].update(x["ids"])
+    judge(float("inf"))
+    return rows
+
+
+def _lines(path: Path, kinds: tuple[bytes, ...]) -> Iterator[dict]:
+    """The records of these kinds in one rank log, in order; a last line without its newline (a rank killed while
+    writing it) is left out, as read_rank_logs does."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.endswith(b"\n") and line.startswith(kinds):
+                yield json.loads(line)

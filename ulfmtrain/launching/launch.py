@@ -22,6 +22,7 @@ from ..transport import link
 from . import lost_daemon
 
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
+LOOPBACK = "127.0.0.0/8"              # the TCP of one-host launches (mpirun_prefix says why)
 # What fault tolerance needs of mpirun.  --with-ft ulfm makes the launched job recoverable, but not the jobs that
 # MPI_Comm_spawn starts (respawn, reinit): one of their processes killed by a signal (a newcomer that failed, or
 # gave up its join) left mpirun's status at 137 after training completed.  PRRTE's default for every job of the
@@ -59,6 +60,13 @@ def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[
         # as here: every process started and every MPI_Comm_spawn (respawn, reinit) waited 1 s for nothing.
         # (On a cluster it may be the network; benchmarks/bench_startup.py measures the two.)
         cmd += list(NO_OFI)
+    if not hostfile and not _chooses("btl_tcp_if_", mpirun_args):
+        # A spawned process (respawn, reinit) reaches the others over TCP even on one host: over loopback.  With
+        # Open MPI's default (every interface but loopback), a host with a second interface (a docker bridge,
+        # up or down) made Open MPI 5.0.11 drop every newcomer's connection ("an inbound MPI TCP connection ...
+        # from an IP address that is unexpected": the newcomer connected from eth0 and was known by the bridge's
+        # address), and no join ever completed.
+        cmd += ["--mca", "btl_tcp_if_include", LOOPBACK]
     if hostfile:
         cmd += ["--hostfile", hostfile]
     elif n > cores:
@@ -73,6 +81,13 @@ def _chooses_btl(mpirun_args: Sequence[str]) -> bool:
     """The user chose the BTLs: `--mca btl ...` among mpirun's arguments, or $OMPI_MCA_btl."""
     pairs = zip(mpirun_args, mpirun_args[1:])
     return bool(os.environ.get("OMPI_MCA_btl")) or any(a in ("--mca", "-mca") and b == "btl" for a, b in pairs)
+
+
+def _chooses(prefix: str, mpirun_args: Sequence[str]) -> bool:
+    """The user set an MCA parameter whose name starts with prefix: among mpirun's arguments, or $OMPI_MCA_..."""
+    pairs = zip(mpirun_args, mpirun_args[1:])
+    return (any(k.startswith(f"OMPI_MCA_{prefix}") and v for k, v in os.environ.items())
+            or any(a in ("--mca", "-mca") and b.startswith(prefix) for a, b in pairs))
 
 
 def program(argv: Sequence[str]) -> list[str]:

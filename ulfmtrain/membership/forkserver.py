@@ -34,6 +34,7 @@ import sys
 
 from ..core import userdir
 from ..transport import exits, lifecycle
+from ..transport.lifecycle import local_rank
 from .spawn_shim import ADDRESS_ENV, ENABLE_ENV, HOST, MAX_MESSAGE, command_line, on_this_host, peer, served
 
 FORKED_ENV = "ULFMTRAIN_FORKED"            # set in a newcomer that the server forked
@@ -81,8 +82,6 @@ _server: subprocess.Popen[bytes] | None = None    # the server this rank started
 
 def start() -> subprocess.Popen[bytes] | None:
     """Start this host's server, once per host (local rank 0 of the launched job), if enabled."""
-    from ..training.device import local_rank
-
     global _server
     where = address() if enabled() and local_rank() == 0 and ADDRESS_ENV not in os.environ else None
     if where is None:

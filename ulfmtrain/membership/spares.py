@@ -22,7 +22,6 @@ from mpi4py import MPI
 
 from .. import _ftcoll
 from ..core.modes import Phase
-from ..training.device import local_rank
 from ..transport import exits, faults
 from ..transport.comm import (
     FaultPathError,
@@ -31,11 +30,14 @@ from ..transport.comm import (
     StartOver,
     _fault_tolerant_dup,
     agree_all_ok,
+    handles_held,
     require_fault_tolerance,
     retire,
 )
+from ..transport.lifecycle import local_rank
 
 WAIT_POLL_S = 0.005     # a waiting spare tests its barrier this often: no core spins
+HANDOVER_TAG = 1712     # the hand-over's messages on the training communicator (nothing else sends there)
 
 
 class StateHolder(Protocol):
@@ -66,6 +68,7 @@ class SpareComm(FaultTolerantComm):
         self.handover: StateHolder | None = None   # what sends and takes the state (a DistributedOptimizer)
         self.pending_handover = False           # a respawn join: hand over after the step's update
         self.takeover: dict | None = None      # a spare that took a slot: which slot, and whether in start-up
+        self.handover_bytes: dict[str, int] = {}    # what this rank sent and received in the last hand-over
         # The first collectives.  A death in them is repaired like any other (the one loop), before anything
         # started: a spare that takes a slot here holds it from the start, with nothing to hand over.
         t_start = MPI.Wtime()
@@ -190,6 +193,7 @@ class SpareComm(FaultTolerantComm):
             t0 = MPI.Wtime()
             done = self._hand_over_once(attempt)
             event.extra["handover_ms"] = (MPI.Wtime() - t0) * 1e3   # the newcomers' start-up included
+            event.extra.update(self.handover_bytes)
             if done:
                 return
             what, committed, t_start = "handover", True, MPI.Wtime()
@@ -203,14 +207,21 @@ class SpareComm(FaultTolerantComm):
             step=self.step, what=what, committed=committed, wall_error=wall_error, detect_ms=detect_ms,
             commit_agree_ms=commit_agree_ms, revoke_ms=r["revoke_ms"], shrink_ms=r["shrink_ms"],
             agree_ms=r["agree_ms"], shrinks=r["shrinks"], size_before=size_before, size_after=self.size,
-            removed=plan["removed"], extra={"replaced": plan["replaced"]})
+            removed=plan["removed"],
+            extra={"replaced": plan["replaced"], "handles": handles_held(self.world, self.comm)})
 
     # -- the hand-over: one attempt, inside the repair loop -------------------------
     def _hand_over_once(self, attempt: int) -> bool:
-        """Senders send, receivers take the committed state (with the attempt that comes next); True if every
-        live slot got it (uniform), False if a rank died meanwhile (then every rank repairs again)."""
+        """The lowest sender sends, each receiver takes the committed state (with the attempt that comes next);
+        True if every live slot got it (uniform), False if a rank died meanwhile (then every rank repairs again).
+
+        Point to point, to the receivers only: a broadcast over the training communicator made every survivor
+        receive (and allocate) the whole state it already held, n - 1 copies of it per failure where one is
+        needed (the memory and the bytes on every survivor's link grew with n).  The decision stays one agree.
+        """
         assert self.handover is not None
         senders = [i for i, w in enumerate(self.alive) if w not in self.receivers]
+        receivers = [i for i, w in enumerate(self.alive) if w in self.receivers]
         if not senders:
             raise FaultPathError("every rank that held the state to hand over has died")
         src, receiving = senders[0], self.world_rank in self.receivers
@@ -218,15 +229,25 @@ class SpareComm(FaultTolerantComm):
             faults.point(self.step, Phase.HANDOVER)
         size = np.zeros(1, dtype=np.int64)
         data = np.empty(0, dtype=np.uint8)
+        status = _ftcoll.OK
+        sent = 0
         if self.rank == src:
             data = np.frombuffer(bytearray(self.handover.handover_payload() + attempt.to_bytes(8, "little")),
                                  dtype=np.uint8)
             size[0] = data.size
-        status = _ftcoll.bcast_try(self.comm, size, src)
-        if status == _ftcoll.OK:
-            if self.rank != src:
+            for dest in receivers:
+                status = _ftcoll.send_try(self.comm, size, dest, HANDOVER_TAG)
+                if status == _ftcoll.OK:
+                    status = _ftcoll.send_try(self.comm, data, dest, HANDOVER_TAG)
+                if status != _ftcoll.OK:
+                    break
+                sent += data.size
+        elif receiving:
+            status = _ftcoll.recv_try(self.comm, size, src, HANDOVER_TAG)
+            if status == _ftcoll.OK:
                 data = np.empty(int(size[0]), dtype=np.uint8)
-            status = _ftcoll.bcast_try(self.comm, data, src)
+                status = _ftcoll.recv_try(self.comm, data, src, HANDOVER_TAG)
+        self.handover_bytes = {"handover_bytes_sent": sent, "handover_bytes_received": data.size if receiving else 0}
         if not agree_all_ok(self.comm, status == _ftcoll.OK):
             return False
         if receiving:

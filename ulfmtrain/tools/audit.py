@@ -12,9 +12,9 @@ import sys
 
 from ..core.events import Event, read_rank_logs, select
 from ..core.modes import DataPolicy
-from ..data.audit import EpochAudit, audit_logs, latest_job
+from ..data.audit import EpochAudit, audit_files, audit_logs, latest_job
 
-__all__ = ["EpochAudit", "audit_logs", "main"]
+__all__ = ["EpochAudit", "audit_files", "audit_logs", "main"]
 NOT_JUDGED = 3
 
 

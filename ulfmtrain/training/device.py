@@ -9,24 +9,12 @@ GPU: launch k x G, and slots L, L + G, ... share GPU L.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from ..core.modes import Device, UsageError
-
-
-def local_rank() -> int:
-    """This rank's index among the ranks of its host.
-
-    The agent launch exports the true value (Open MPI there believes every
-    rank is on the head node); otherwise mpirun's OMPI_COMM_WORLD_LOCAL_RANK.
-    """
-    for var in ("ULFMTRAIN_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
+from ..transport.lifecycle import local_rank  # (here too: where the device is picked)
 
 
 def slot_local_rank(comm: Any) -> int:

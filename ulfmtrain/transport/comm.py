@@ -32,6 +32,7 @@ from mpi4py import MPI
 from .. import _ftcoll
 from ..core.modes import Phase
 from . import exits, faults, tether
+from .handles import handles_held, retire
 
 T = TypeVar("T")
 FaultPathError = _ftcoll.FaultPathError
@@ -121,20 +122,6 @@ class RecoveryEvent:
 
 Listener = Callable[[RecoveryEvent], None]
 MAX_ERROR_REDOS = 3     # an error with nobody dead that comes back this often is not transient: stop
-
-
-_retired: list[MPI.Comm] = []
-
-
-def retire(comm: MPI.Comm) -> None:
-    """Keep a communicator that every survivor has left, instead of freeing it.
-
-    Open MPI 5.0.11 hands a freed communicator's context id to the next one, and its agreement (ERA) keys
-    agreements by that id: in long soaks, ranks printed "removing old agreement from history, due to cycling
-    of identifiers", and agrees then returned different values on different ranks (one half committed a
-    step, the other repaired, and both waited for good).  A few handles per failure is the price.
-    """
-    _retired.append(comm)
 
 
 class Comm(Protocol):
@@ -334,7 +321,7 @@ class FaultTolerantComm(_CommBase):
             detect_ms=(t_error - t_start) * 1e3, commit_agree_ms=agree_ms,
             revoke_ms=report["revoke_ms"], shrink_ms=report["shrink_ms"], agree_ms=report["agree_ms"],
             shrinks=report["shrinks"], size_before=size_before, size_after=self.size,
-            removed=sorted(set(alive_before) - set(self.alive)))
+            removed=sorted(set(alive_before) - set(self.alive)), extra={"handles": handles_held(fresh)})
         self.events.append(event)
         for fn in self._listeners:
             fn(event)

@@ -52,6 +52,18 @@ def init_timeout(environ: Mapping[str, str] = os.environ) -> float:
     return env_seconds(INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT, environ)
 
 
+def local_rank() -> int:
+    """This rank's index among the ranks of its host.
+
+    The agent launch exports the true value (Open MPI there believes every
+    rank is on the head node); otherwise mpirun's OMPI_COMM_WORLD_LOCAL_RANK.
+    """
+    for var in ("ULFMTRAIN_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
 def under_mpirun(environ: Mapping[str, str] = os.environ) -> bool:
     """True in a rank that mpirun (or MPI_Comm_spawn) started; False in launchers and data tools."""
     return "OMPI_COMM_WORLD_SIZE" in environ or "PMIX_RANK" in environ
