@@ -27,8 +27,9 @@ def handles_held(*comms: MPI.Comm) -> dict[str, int]:
     """What this process holds of MPI's handles, for the soak's leak check (a few microseconds).
 
     comms_retired: the communicators kept by `retire`.  comm_index: Open MPI's highest index among `comms`
-    (pass the newest communicators) and the last ones retired: every communicator made in this process and never freed takes the lowest
-    free index, and mpi4py frees none it drops, so this counts all of them (spawn and merge ones included).
+    (pass the newest communicators) and the last ones retired: every communicator made in this process and never
+    freed takes the lowest free index, and mpi4py frees none it drops, so this counts all of them (spawn and
+    merge ones included).
     group_index: the index a new group takes, the same count for groups: each communicator's own, and after
     the first failure two more per agreement (Open MPI 5.0.11's, not freed: benchmarks/README.md).
     """
