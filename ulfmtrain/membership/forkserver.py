@@ -222,6 +222,17 @@ def _reap() -> tuple[int, int] | None:
     return (pid, status) if pid else None
 
 
+def _exec_signals() -> None:
+    """In a fork: the signal handlers of a process that PRRTE execs.  PRRTE sets SIGTERM, SIGINT, SIGHUP, SIGPIPE
+    and SIGCHLD to their defaults before exec, and Python then makes SIGINT a KeyboardInterrupt and ignores
+    SIGPIPE.  A fork keeps the server's own (SIGUSR1's, SIGCHLD's), and the server those it inherited: from a
+    test suite run in the background, SIGINT ignored, so a rank's SIGINT did nothing."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+
 def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
     """Fork a child for the shim on `conn` and tell it the pid; 0 when it was refused."""
     _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
@@ -248,7 +259,7 @@ def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
     pid = os.fork()
     if pid == 0:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _exec_signals()
         for fd in server_fds:    # closed, not unregistered: the epoll instance is the server's too
             os.close(fd)
         conn.close()
