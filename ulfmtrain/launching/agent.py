@@ -187,6 +187,8 @@ def main(app: list[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(os.pidfd_open(child.pid), selectors.EVENT_READ, "child")
+    # mpirun, our parent: gone (launch SIGKILLed, mpirun with it), the job is over; our link closes with us.
+    sel.register(os.pidfd_open(os.getppid()), selectors.EVENT_READ, "mpirun")
     t_start = last = time.monotonic()
     while True:
         now = time.monotonic()
@@ -198,6 +200,9 @@ def main(app: list[str]) -> None:
         if w.confirms:
             wait = min(wait, 0.02)    # polling the removed ranks' locks
         for key, _ in sel.select(max(0.0, wait)):
+            if key.data == "mpirun":
+                child.kill()
+                os.kill(os.getpid(), signal.SIGKILL)
             if key.data == "child":
                 rc = child.wait()
                 w.drain(REPORT_GRACE)     # the tether's report travels apart from the shell's exit

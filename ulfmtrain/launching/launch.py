@@ -17,7 +17,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..membership import spawn_shim
+from . import stopping
 
+PROG = "ulfmtrain launch"
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
 # What fault tolerance needs of mpirun.  --with-ft ulfm makes the launched job recoverable, but not the jobs that
 # MPI_Comm_spawn starts (respawn, reinit): one of their processes killed by a signal (a newcomer that failed, or
@@ -211,18 +213,28 @@ def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_a
 def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
            mpirun_args: Sequence[str] = (), timeout: float | None = None,
            rsh: str | None = None, net: str | None = None, keepalive: float | None = None) -> int:
-    """Run the job and return mpirun's exit code (judge success by what the ranks wrote).
+    """Run the job and return mpirun's exit code (judge success by what the ranks wrote); told to stop by a
+    signal, end the whole job and return 128 + its number (stopping.py).
 
     With rsh (and a hostfile and net): no daemon on the compute hosts, so the
     loss of a whole host is survived (see ulfmtrain/launching/agent.py); a silent host
     is dropped after `keepalive` seconds (default 10).
     """
+    try:
+        with stopping.stop_on_signals(PROG):
+            return _launch(n, argv, hostfile=hostfile, mpirun_args=mpirun_args, timeout=timeout, rsh=rsh, net=net,
+                           keepalive=keepalive)
+    except stopping.Stopped as stop:
+        return stop.status
+
+
+def _launch(n: int, argv: Sequence[str], *, hostfile: str | None, mpirun_args: Sequence[str],
+            timeout: float | None, rsh: str | None, net: str | None, keepalive: float | None) -> int:
     mpirun_args = [*exported_env(mpirun_args), *mpirun_args]
     if rsh is None:
         if keepalive is not None:
             raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
-        return subprocess.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args),
-                              timeout=timeout).returncode
+        return stopping.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args), timeout=timeout)
     if not (hostfile and net):
         raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
     with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
@@ -235,4 +247,4 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
         cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args,
                                 keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp)
         cmd += program(argv)
-        return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode
+        return stopping.run(cmd, {**os.environ, **env}, timeout)

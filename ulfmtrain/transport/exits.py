@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from . import lifecycle
+from . import jobtree, lifecycle
 
 LEAVING = 1 << 29          # this member is leaving the job
 FAILED = 1 << 30           # ... because it failed
@@ -78,7 +78,8 @@ def at_leave(end: Callable[[], None]) -> None:
 def arm_at_exit(timeout: float = 5.0) -> None:
     """At interpreter exit, leave the job: under ULFM, together with the peers and without
     MPI_Finalize, which can hang after a failure; else finalize, bounded.  Also installs the hooks that make an
-    uncaught exception or SIGTERM a failure the peers see (exits.install).
+    uncaught exception or SIGTERM a failure the peers see (exits.install), and ends the rank once the job's
+    launcher is gone (jobtree.watch_launcher).
 
     Idempotent: only the first call registers.
     """
@@ -86,6 +87,7 @@ def arm_at_exit(timeout: float = 5.0) -> None:
     if not _armed:
         _armed = True
         install()
+        jobtree.watch_launcher()
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
         atexit.register(finalize, timeout)
 
