@@ -116,7 +116,23 @@ def _wrapper() -> Any:
     return None
 
 
+def _hold_signals() -> None:
+    """The rank is leaving: from here no signal handler may raise into it (main thread only).  torch's SIGCHLD
+    handler raises again at every SIGCHLD once a DataLoader worker died: it cut into the traceback being printed
+    (a frame without its source line, or "lost sys.stderr" and an object dump in place of the traceback) and
+    into the exit agree.  A no-op, not SIG_DFL: a signal caught already calls the handler set when it is run
+    (Python reports SIG_DFL there as a race); a second SIGINT or SIGTERM is ignored as well."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _ignore)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    pass
+
+
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    _hold_signals()
     if issubclass(exc_type, Terminated):
         print(f"ulfmtrain: error: world rank {os.environ.get('OMPI_COMM_WORLD_RANK', '?')} got SIGTERM",
               file=sys.stderr, flush=True)
@@ -155,6 +171,7 @@ def leave(failed: bool) -> None:
     """The exit protocol (see the module's docstring); returns only when every member is leaving."""
     global _left
     _left = True
+    _hold_signals()
     from mpi4py import MPI
 
     from .stall import die_told
