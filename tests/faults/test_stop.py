@@ -145,6 +145,25 @@ def test_sigkill_of_launch_leaves_nothing_running(tmp_path):
     assert rc == -signal.SIGKILL
 
 
+@pytest.mark.timeout(240)
+def test_a_job_whose_every_rank_died_by_a_signal_does_not_end_with_status_0(tmp_path):
+    """Every rank SIGKILLed (as every survivor of a crash in Open MPI can be: docs/failures.md): mpirun says 0,
+    since under ULFM a death by signal does not count; launch says 1, with one line: the job left no result."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, job = start([sys.executable, "-m", "ulfmtrain", "launch", "-n", "2", "--",
+                       "python", str(SCRIPTS / "loader_loop.py"), str(out)], pids_written(out, 2))
+    for rank in (0, 1):
+        os.kill(int((out / f"pid{rank}").read_text()), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert err.count("every rank died by a signal") == 1 and "Traceback" not in err, err[-3000:]
+    t0 = time.monotonic()
+    while running(job) and time.monotonic() - t0 < GONE_S:
+        time.sleep(0.05)
+    assert not running(job)
+
+
 def checkpoint_job(cmd: str, digits_dir: Path, tmp_path: Path, sig: signal.Signals) -> None:
     """`launch` or `supervise` of `train` that checkpoints every step, stopped by sig mid-run: status, one line,
     nothing left, and the checkpoint directory loads (the previous good checkpoint or the new one)."""

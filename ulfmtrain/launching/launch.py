@@ -234,7 +234,8 @@ def _launch(n: int, argv: Sequence[str], *, hostfile: str | None, mpirun_args: S
     if rsh is None:
         if keepalive is not None:
             raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
-        return stopping.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args), timeout=timeout)
+        return stopping.run(PROG, mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args),
+                            timeout=timeout, one_host=hostfile is None)
     if not (hostfile and net):
         raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
     with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
@@ -247,4 +248,4 @@ def _launch(n: int, argv: Sequence[str], *, hostfile: str | None, mpirun_args: S
         cmd, env = agent_prefix(n, hostfile, rsh, net, str(agent), mpirun_args,
                                 keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp)
         cmd += program(argv)
-        return stopping.run(cmd, {**os.environ, **env}, timeout)
+        return stopping.run(PROG, cmd, {**os.environ, **env}, timeout)

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -73,12 +74,23 @@ def start(cmd: Sequence[str], env: Mapping[str, str] | None = None, **popen: Any
                             start_new_session=True, preexec_fn=lambda: jobtree.die_with_parent(me), **popen)
 
 
-def run(cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None) -> int:
+def run(prog: str, cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None, *,
+        one_host: bool = False) -> int:
     """Run mpirun (start) to its end and return its status; past `timeout` s, end the job's tree and raise
-    subprocess.TimeoutExpired."""
-    proc = start(cmd, env)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        jobtree.end_tree(os.getpid())
-        raise
+    subprocess.TimeoutExpired.  one_host (every rank can note its end here): status 1, with one line, where
+    mpirun says 0 though every rank died by a signal (jobtree.none_ended): under ULFM such deaths do not count,
+    and the job left no result."""
+    with tempfile.TemporaryDirectory(prefix="ulfmtrain-ends.") as ends:
+        extra = {jobtree.ENDS_ENV: ends} if one_host else {}
+        proc = start(cmd, {**(os.environ if env is None else env), **extra})
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            jobtree.end_tree(os.getpid())
+            raise
+        if rc == 0 and one_host and jobtree.none_ended(ends):
+            print(f"{prog}: error: every rank died by a signal (killed, or crashed) before it ended its program: "
+                  "the job left no result (mpirun says 0: under ULFM a death by signal does not count)",
+                  file=sys.stderr, flush=True)
+            return 1
+        return rc

@@ -88,6 +88,7 @@ def arm_at_exit(timeout: float = 5.0) -> None:
         _armed = True
         install()
         jobtree.watch_launcher()
+        jobtree.note("started")
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
         atexit.register(finalize, timeout)
 
@@ -203,6 +204,7 @@ def leave(failed: bool) -> None:
         w.release_spares()      # waiting spares leave too
     for end in _at_leave:
         end()
+    jobtree.note("ended")
     _pmix_finalize()
 
 

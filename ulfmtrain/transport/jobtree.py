@@ -24,6 +24,7 @@ import threading
 import time
 
 LAUNCHER_ENV = "ULFMTRAIN_LAUNCHER"     # BOOT_ID:PID:START of the process that launched this job
+ENDS_ENV = "ULFMTRAIN_ENDS"             # a folder of the launcher's host: each rank notes its start and its end
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -151,3 +152,19 @@ def _orphaned(pid: int) -> None:
         print(f"ulfmtrain: the job's launcher (pid {pid}) is gone: every rank ends", file=sys.stderr, flush=True)
     end_tree(os.getpid(), bound_s=1.0)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def note(what: str) -> None:
+    """In a rank: note in $ULFMTRAIN_ENDS that this process `started` (armed its exit protocol) or `ended` (left
+    the job through it, every member leaving).  Nothing where the folder is not on this host."""
+    folder = os.environ.get(ENDS_ENV, "")
+    if folder and os.path.isdir(folder):
+        with contextlib.suppress(OSError), open(os.path.join(folder, f"{os.getpid()}.{what}"), "w"):
+            pass
+
+
+def none_ended(folder: str) -> bool:
+    """Ranks started (note) and not one ended its program: every rank died by a signal (crashed or killed), which
+    mpirun's status does not count under ULFM."""
+    names = os.listdir(folder)
+    return any(n.endswith(".started") for n in names) and not any(n.endswith(".ended") for n in names)
