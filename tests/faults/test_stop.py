@@ -100,6 +100,8 @@ def stop(proc: subprocess.Popen, job: dict[int, str], sig: signal.Signals) -> tu
     while (left := running(job)) and time.monotonic() - t0 < GONE_S:
         time.sleep(0.05)
     assert not left, f"{len(left)} of the job's {len(job)} processes outlived {sig.name} by {GONE_S} s: {left}"
+    print(f"\n{sig.name}: the launcher ended, and the {len(job)} processes of its job were gone "
+          f"{time.monotonic() - t0:.2f} s later")
     return proc.returncode, err
 
 
