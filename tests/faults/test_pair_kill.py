@@ -53,7 +53,9 @@ def run_pair(out: Path, schedule: str, seed: int) -> dict:
             and time.monotonic() - t0 < BOUND_S / 2:
         time.sleep(0.01)
     pids = {r: int((out / f"pid{r}").read_text()) for r in range(4) if (out / f"pid{r}").exists()}
-    assert len(pids) == 4, f"not every process started: {pids}"
+    if len(pids) < 4:
+        proc.kill()
+        pytest.fail(f"{schedule} seed {seed}: not every process started ({pids}): {proc.communicate()[1][-3000:]}")
     time.sleep(delay_s)
     for i, victim in enumerate(victims):
         if i:

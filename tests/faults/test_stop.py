@@ -25,6 +25,7 @@ START_S, GONE_S = 120, 5.0     # start-up under load; how long the job's process
 
 
 def _stat(pid: int) -> list[str] | None:
+    # The test's own reading of /proc, not jobtree's: the launcher's cleanup is judged by other means than its own.
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()

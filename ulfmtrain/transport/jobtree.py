@@ -71,7 +71,8 @@ def end_tree(root: int, bound_s: float = 5.0) -> int:
 
     They are frozen first (SIGSTOP, again until no new one appears), so that none acts on another's death;
     then killed together.  Repeated until none is left or `bound_s` has passed (a process that a killed
-    one's parent had not reaped yet is a zombie, not counted).
+    one's parent had not reaped yet is a zombie, not counted).  Nothing is reaped here: the caller's wait for
+    its child (mpirun) still gets its status.
     """
     ended: set[int] = set()
     deadline = time.monotonic() + bound_s
@@ -88,21 +89,8 @@ def end_tree(root: int, bound_s: float = 5.0) -> int:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         ended |= frozen
-        _reap()
         time.sleep(0.01)
-    _reap()
     return len(ended)
-
-
-def _reap() -> None:
-    """Reap this process's dead children (orphans it adopted as a subreaper), without waiting."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if not pid:
-            return
 
 
 def become_subreaper() -> None:
