@@ -64,8 +64,8 @@ class Tether:
         self.buf = {head: b"", rank_end: b""}
 
     def lost(self, why: str) -> NoReturn:
-        os.killpg(self.child.pid, signal.SIGKILL)   # the rank first (its DataLoader workers with it): it must
-        self.child.wait()                           # write nothing more
+        self.child.kill()             # the rank first: it must write nothing more
+        self.child.wait()
         say_stopped(why)
         sys.exit(1)
 
@@ -146,8 +146,7 @@ def main(app: list[str]) -> None:
     head.settimeout(None)
     head.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ours, theirs = socket.socketpair()
-    child = subprocess.Popen(app, pass_fds=(theirs.fileno(),), env={**os.environ, FD_ENV: str(theirs.fileno())},
-                             process_group=0)
+    child = subprocess.Popen(app, pass_fds=(theirs.fileno(),), env={**os.environ, FD_ENV: str(theirs.fileno())})
     theirs.close()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: child.send_signal(s))
