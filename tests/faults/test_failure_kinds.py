@@ -9,6 +9,7 @@ one line, instead of shrinking to one rank.  Nothing of the job outlives mpirun.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -150,3 +151,32 @@ def test_replicas_that_end_different_end_the_job_with_status_1(mpi, digits_dir, 
     assert not any(e[0]["consistent"] for e in ends.values())
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stderr.count("replicas ended different") == 1, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(BOUND_S + 30)
+def test_a_dataloader_worker_killed_gives_one_whole_traceback(tmp_path):
+    """Rank 1 of a script with DataLoader workers loses a worker (SIGKILL), and then its children keep ending
+    (a storm of SIGCHLD): torch's SIGCHLD handler raises on each, and cut into the traceback being printed
+    and the exit agree (a garbled traceback, "lost sys.stderr", 1 run of 3 before).  The rank's traceback
+    comes whole, once, then its one line; rank 0 trains on alone and the job ends with status 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "ulfmtrain", "launch", "-n", "2", "--", "python",
+           str(Path(__file__).resolve().parents[1] / "scripts" / "loader_loop.py"), str(out), "60", "10"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    err = proc.stderr
+    assert proc.returncode == 0, err[-3000:]
+    for bad in ("lost sys.stderr", "Error in sys.excepthook", "Exception ignored", "ignored due to race"):
+        assert bad not in err, err[-3000:]
+    lines = err.splitlines()
+    assert err.count("world rank 1 failed (above) while its peers train on") == 1, err[-3000:]
+    last = next(i for i, x in enumerate(lines) if "world rank 1 failed (above)" in x)
+    first = next(i for i, x in enumerate(lines) if x.startswith("Traceback (most recent call last)"))
+    block = lines[first:last]
+    for i, line in enumerate(block):      # every frame with its source line: nothing cut into the print
+        if line.startswith('  File "') and not line.startswith('  File "<'):     # (frozen modules show none)
+            assert block[i + 1].startswith("    ") and not block[i + 1].lstrip().startswith("File"), block
+    # Then the exception: torch's RuntimeError, or what reading from the dead worker raised first (EOFError,
+    # ConnectionResetError: which one depends on where the main thread was).
+    assert re.match(r"\w+(Error|Exception)\b", block[-1]), block

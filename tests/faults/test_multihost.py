@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -539,6 +540,33 @@ def test_agent_launch_frozen_host_is_dropped_and_stops_when_it_wakes(two_hosts, 
     assert KEEPALIVE * 2 / 3 - 0.2 <= detected <= KEEPALIVE + 3, (detected, diag)
     _cut_off_side_stopped(hosts, hosts[b], tmp_path, logs, [0, 1], ckpt, t_wake + KEEPALIVE + 10)
     print(f"\nhost b frozen (keep-alive {KEEPALIVE:g} s): " + "; ".join(timings(logs, 2, t_freeze)))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_agent_launch_stopped_leaves_nothing_on_any_host(two_hosts, digits_dir, tmp_path, sig):
+    """`launch --agent` told to stop (SIGTERM: status 143 and one line), or SIGKILLed (nothing can run in it):
+    no process is left on either host, the head (mpirun, the agents) or the other (the ranks, their tethers),
+    within the keep-alive bound."""
+    hosts, agent, hostfile = two_hosts
+    a, b = list(hosts)
+    out = tmp_path / "out"
+    proc = start_agent_job(hosts, agent, hostfile, a, 4, out, ["--epochs", "1000"], digits_dir)
+    assert wait_for(lambda: steps_of(out, 0) >= 10 and steps_of(out, 2) >= 10, proc, 120), "training never began"
+    running = {ns: signal_host(ns, "0") for ns in hosts.values()}
+    assert all(running.values()), running
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    t0 = time.monotonic()
+    while any((left := {ns: signal_host(ns, "0") for ns in hosts.values()}).values()) and \
+            time.monotonic() - t0 < KEEPALIVE + 5:
+        time.sleep(0.1)
+    assert not any(left.values()), (left, stderr[-3000:])
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+        assert stderr.count("ulfmtrain launch: stopped by SIGTERM") == 1, stderr[-3000:]
+    print(f"\nlaunch --agent, {sig.name}: nothing left on either host {time.monotonic() - t0:.2f} s after launch "
+          f"ended ({sum(map(len, running.values()))} processes before)")
 
 
 def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):

@@ -146,15 +146,17 @@ def test_two_shrinks_after_the_spares_ran_out(mpi, digits_dir, tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode, kill", [("dies", []), ("dies", ["1@50"]), ("takes-over", ["1@30"]),
-                                        ("dies-at-start", [])])
+                                        ("dies-at-start", []), ("die-first", [])])
 def test_spares_in_a_loop_of_your_own(mpi, tmp_path, mode, kill):
     """A spare that dies while it waits is noticed at the release (or at the next failure, which then
     shrinks); a spare that takes a slot in a user's loop ends with the same replica.  A rank that dies inside
     SpareComm's constructor (before its first collective; before, every survivor raised out of it) is repaired
-    there: the spare holds its slot from the start."""
+    there: the spare holds its slot from the start.  A rank and the spare that die before it (die-first): the
+    slots are still the launch ranks, slot 1 is removed, and slots 0 and 2 train (before, the smaller world was
+    cut anew: one slot trained, and launch rank 2 waited as a spare to the end, status 0)."""
     mpi.script(4, mpi.root / "tests" / "scripts" / "spare_loop.py", [str(tmp_path), mode, *kill], timeout=100)
     got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
-    shrunk = mode == "dies" and kill
+    shrunk = mode == "dies" and kill or mode == "die-first"
     assert sorted(got) == ([0, 2] if shrunk else [0, 1, 2]), got
     assert len({g["checksum"] for g in got.values()}) == 1 and len({g["steps"] for g in got.values()}) == 1, got
     assert got[0]["steps"] > 75 if shrunk else got[0]["steps"] == 75    # 3 slots: 75 steps; 2 take more
@@ -162,6 +164,7 @@ def test_spares_in_a_loop_of_your_own(mpi, tmp_path, mode, kill):
         assert g["spares_left"] == 0
         if not g["joined"]:         # the survivors' repairs: slot 1 removed (no spare left) or taken over
             assert g["removed"] == ([[1]] if shrunk else [[]] if kill or mode == "dies-at-start" else []), g
+            assert g["history"][0] == 3 and g["history"][-1] == (2 if shrunk else 3), g
     assert (1 in got and got[1]["joined"]) == (mode == "takes-over")
 
 

@@ -3,7 +3,8 @@
 argv: OUT MODE [KILL].  MODE "dies": the spare SIGKILLs itself while it waits
 (a timer thread); "takes-over": it takes the slot of the rank KILL kills; "dies-at-start": rank 1 is SIGKILLed
 inside SpareComm's constructor, before its first collective, and the spare takes slot 1 from the start;
-"respawn": no spare, a process spawned in the background takes it (20 epochs instead of 3).
+"respawn": no spare, a process spawned in the background takes it (20 epochs instead of 3);
+"die-first": rank 1 and the spare are SIGKILLed before SpareComm, while the others make its world.
 KILL: a kill spec for a training rank, e.g. 1@50 (75 steps in all).  Each training rank that
 ends writes OUT/rank<slot>.json: checksum, world history, recoveries, steps, samples.
 """
@@ -22,6 +23,8 @@ from ulfmtrain.membership.spares import SpareComm
 from ulfmtrain.transport import faults
 
 out, mode = sys.argv[1], sys.argv[2]
+if mode == "die-first" and os.environ.get("OMPI_COMM_WORLD_RANK") in ("1", "3"):
+    os.kill(os.getpid(), signal.SIGKILL)
 if mode == "dies-at-start" and os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
     # It reads its local rank for that collective: die there.
     import ulfmtrain.membership.spares as spares

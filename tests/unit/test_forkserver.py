@@ -261,3 +261,24 @@ def test_the_servers_socket_lives_in_a_folder_only_this_user_can_enter(tmp_path,
     assert forkserver.wrap(command) == command and forkserver.wrap(command) == command
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a folder of this user's closed to others" in err, err
+
+
+def test_a_fork_starts_with_the_signal_handlers_of_a_rank_that_prrte_execs():
+    """PRRTE sets SIGINT, SIGTERM, SIGHUP and SIGPIPE to their defaults before it execs a rank, and Python then
+    turns SIGINT into KeyboardInterrupt and ignores SIGPIPE.  A fork took the server's own, inherited from
+    whoever started it: a test suite run in the background (SIGINT ignored, as a shell does for `make test &`)
+    forked ranks that a SIGINT could not end (the flaky test_failure_kinds test, world [4, 4])."""
+    watched, address = subprocess.Popen(["sleep", "600"]), f"@ulfmtrain-forkserver-test-sig-{os.getpid()}"
+    ignore = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    try:
+        proc = start_server(address, watched.pid, env=with_scripts(),
+                            preexec_fn=lambda: [signal.signal(s, signal.SIG_IGN) for s in ignore])
+        got = shim(address, [sys.executable, "-P", "-m", "forked_child", "exit", "0"], env=with_scripts())
+    finally:
+        watched.kill()
+        watched.wait()
+    proc.wait(timeout=10)
+    assert got.returncode == 0, got
+    exec_like = {"SIGINT": "default_int_handler", "SIGTERM": "SIG_DFL", "SIGHUP": "SIG_DFL", "SIGUSR1": "SIG_DFL",
+                 "SIGPIPE": "SIG_IGN"}
+    assert json.loads(got.stdout)["signals"] == exec_like, got.stdout

@@ -107,18 +107,18 @@ exit 0
 
 def test_a_job_prrte_ended_for_a_lost_host_ends_with_a_true_status_and_one_line(tmp_path, capfd):
     """mpirun exits 0 when PRRTE ends the job for a lost daemon: launch says which host, and exits 4."""
-    from ulfmtrain.launching import lost_daemon
+    from ulfmtrain.launching import lost_daemon, stopping
 
     mpirun = tmp_path / "mpirun"
     mpirun.write_text(PRRTE_LOST)
     mpirun.chmod(0o755)
-    assert lost_daemon.run([str(mpirun)]) == lost_daemon.LOST_HOST == 4
+    assert stopping.run("launch", [str(mpirun)]) == lost_daemon.LOST_HOST == 4
     out, err = capfd.readouterr()
     lines = [x for x in err.splitlines() if x.startswith("ulfmtrain: error:")]
     assert out == "a rank's output\n" and "PRTE has lost communication with a remote daemon." in err, err
     assert len(lines) == 1 and "host node7 was lost" in lines[0] and "launch with --agent" in lines[0], err
     mpirun.write_text("#!/bin/sh\necho 'an error' >&2\nexit 3\n")       # any other end: mpirun's own status
-    assert lost_daemon.run([str(mpirun)]) == 3 and capfd.readouterr().err == "an error\n"
+    assert stopping.run("launch", [str(mpirun)]) == 3 and capfd.readouterr().err == "an error\n"
 
 
 def test_wdir_is_where_every_rank_starts(tmp_path, capfd):

@@ -308,6 +308,8 @@ def main(app: list[str]) -> None:
         signal.signal(sig, lambda sig, _frame: child.send_signal(sig))
     sel.register(wake_r, selectors.EVENT_READ, "signal")
     sel.register(os.pidfd_open(child.pid), selectors.EVENT_READ, "child")
+    # mpirun, our parent: gone (launch SIGKILLed, mpirun with it), the job is over; our link closes with us.
+    sel.register(os.pidfd_open(os.getppid()), selectors.EVENT_READ, "mpirun")
     t_start = last = time.monotonic()
     while True:
         deadline = t_start + CALLBACK_TIMEOUT if w.link is None else last + w.keepalive
@@ -315,6 +317,9 @@ def main(app: list[str]) -> None:
         if w.confirms:
             wait = min(wait, 0.02)    # polling the removed ranks' locks
         for key, _ in sel.select(max(0.0, wait)):
+            if key.data == "mpirun":
+                child.kill()
+                os.kill(os.getpid(), signal.SIGKILL)
             if key.data == "child":
                 rc = child.wait()
                 # The tether's report travels apart from the shell's exit: wait for it a moment, never past the

@@ -19,8 +19,9 @@ from pathlib import Path
 from ..core import userdir
 from ..membership import spawn_shim
 from ..transport import link
-from . import lost_daemon
+from . import stopping
 
+PROG = "ulfmtrain launch"
 NO_OFI = ("--mca", "btl", "^ofi")     # what one-host launches add (mpirun_prefix says why)
 LOOPBACK = "127.0.0.0/8"              # the TCP of one-host launches (mpirun_prefix says why)
 # What fault tolerance needs of mpirun.  --with-ft ulfm makes the launched job recoverable, but not the jobs that
@@ -271,7 +272,8 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
            mpirun_args: Sequence[str] = (), timeout: float | None = None,
            rsh: str | None = None, net: str | None = None, keepalive: float | None = None,
            wdir: str | None = None, slots: int | None = None) -> int:
-    """Run the job and return mpirun's exit code (judge success by what the ranks wrote).
+    """Run the job and return mpirun's exit code (judge success by what the ranks wrote); told to stop by a
+    signal, end the whole job and return 128 + its number (stopping.py).
 
     With rsh (and a hostfile and net): no daemon on the compute hosts, so the
     loss of a whole host is survived (see ulfmtrain/launching/agent.py); a silent host
@@ -279,6 +281,17 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
     wdir (default: this directory), on every host, with torchrun's variables (torchrun_env; WORLD_SIZE is
     `slots`, the training ranks without the spares, default n).
     """
+    try:
+        with stopping.stop_on_signals(PROG):
+            return _launch(n, argv, hostfile=hostfile, mpirun_args=mpirun_args, timeout=timeout, rsh=rsh, net=net,
+                           keepalive=keepalive, wdir=wdir, slots=slots)
+    except stopping.Stopped as stop:
+        return stop.status
+
+
+def _launch(n: int, argv: Sequence[str], *, hostfile: str | None, mpirun_args: Sequence[str],
+            timeout: float | None, rsh: str | None, net: str | None, keepalive: float | None,
+            wdir: str | None, slots: int | None) -> int:
     mpirun_args = [*exported_env(mpirun_args), *mpirun_args]
     warning = torchrun_warning(argv)
     if warning:
@@ -290,8 +303,8 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
             mpirun_args += ["--wdir", os.path.abspath(wdir)]
         if keepalive is not None:
             raise ValueError("--keepalive bounds the agent launch's detection of a silent host: add --agent RSH")
-        return lost_daemon.run(mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args,
-                                              torchrun=torchrun), timeout)
+        return stopping.run(PROG, mpirun_command(n, argv, hostfile=hostfile, mpirun_args=mpirun_args,
+                                                 torchrun=torchrun), timeout=timeout, one_host=hostfile is None)
     if not (hostfile and net):
         raise ValueError("--agent needs --hostfile H (where the ranks run) and --net CIDR (the cluster network)")
     with tempfile.TemporaryDirectory(prefix="ulfmtrain-agent.") as tmp:
@@ -305,4 +318,4 @@ def launch(n: int, argv: Sequence[str], *, hostfile: str | None = None,
                                 keepalive=DEFAULT_KEEPALIVE if keepalive is None else keepalive, directory=tmp,
                                 wdir=wdir)
         cmd += [*torchrun, *program(argv)]
-        return subprocess.run(cmd, timeout=timeout, env={**os.environ, **env}).returncode
+        return stopping.run(PROG, cmd, {**os.environ, **env}, timeout)

@@ -3,7 +3,8 @@
 PRRTE 3.0.x cannot survive a lost daemon (docs/node-loss.md): it prints "PRTE has lost communication with a
 remote daemon", with the daemon's node, ends the job, and mpirun exits 0 (ompi #13215, prrte #1969).  run()
 passes mpirun's stderr through as it comes, notes the nodes of such reports, and then ends with status
-LOST_HOST and one line naming them and the way through (`--agent`, or `supervise --hostfile`).
+LOST_HOST and one line naming them and the way through (`--agent`, or `supervise --hostfile`).  launch's
+stopping.run watches every mpirun it starts so.
 """
 from __future__ import annotations
 
@@ -35,23 +36,22 @@ def _relay(src: IO[bytes], dst: IO[bytes], lost: list[str]) -> None:
     src.close()
 
 
-def run(cmd: list[str], timeout: float | None = None) -> int:
-    """Run mpirun; its status, or LOST_HOST (with one line on stderr) when PRRTE ended the job for a lost host."""
-    lost: list[str] = []
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
-    relay = threading.Thread(target=_relay, args=(proc.stderr, sys.stderr.buffer, lost), daemon=True)
-    relay.start()
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
-    relay.join(timeout=5)
-    if not lost:
-        return rc
-    hosts = ", ".join(dict.fromkeys(lost))
-    print(f"ulfmtrain: error: host {hosts} was lost (its PRRTE daemon stopped answering), and with a daemon on "
-          f"every host that ends the job (mpirun's own status was {rc}): launch with --agent to survive the loss "
-          "of a host, or run `ulfmtrain supervise --hostfile` to relaunch without it", file=sys.stderr, flush=True)
-    return LOST_HOST
+class Watch:
+    """Relay a started mpirun's stderr (a pipe) as it comes, noting the nodes of lost-daemon reports."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lost: list[str] = []
+        self._relay = threading.Thread(target=_relay, args=(proc.stderr, sys.stderr.buffer, self.lost), daemon=True)
+        self._relay.start()
+
+    def status(self, rc: int) -> int:
+        """mpirun's status, or LOST_HOST (with one line on stderr) when PRRTE ended the job for a lost host."""
+        self._relay.join(timeout=5)
+        if not self.lost:
+            return rc
+        hosts = ", ".join(dict.fromkeys(self.lost))
+        print(f"ulfmtrain: error: host {hosts} was lost (its PRRTE daemon stopped answering), and with a daemon on "
+              f"every host that ends the job (mpirun's own status was {rc}): launch with --agent to survive the "
+              "loss of a host, or run `ulfmtrain supervise --hostfile` to relaunch without it", file=sys.stderr,
+              flush=True)
+        return LOST_HOST

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -30,8 +29,9 @@ from ..checkpoint.format import claim, has_checkpoint, read_pointer
 from ..core.atomic import write_json
 from ..core.events import Event, read_rank_logs, select
 from ..training.config import TrainJob
+from ..transport import jobtree
 from ..transport.faults import Kill, parse_kills
-from . import slurm
+from . import slurm, stopping
 from .launch import mpirun_command, read_hostfile
 
 PROG = "ulfmtrain supervise"
@@ -66,8 +66,7 @@ def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = No
     seconds is killed: a launch that hangs, as one does when a host goes down while its daemon starts.
     """
     t_launch = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                            start_new_session=True)
+    proc = stopping.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     notice: list[float] = []
     pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, []), daemon=True),
              threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, notice), daemon=True)]
@@ -94,7 +93,7 @@ def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = No
         elif end is not None and time.time() >= end:
             timed_out = True
         if timed_out or start_timed_out:
-            os.killpg(proc.pid, signal.SIGKILL)   # mpirun and its ranks: the group this Popen created
+            jobtree.end_tree(os.getpid())         # mpirun, its ranks (each in a process group of its own), theirs
             rc = proc.wait()
             break
     t_exit = time.time()
@@ -252,9 +251,13 @@ def supervise(n: int | None, job: TrainJob, *, max_attempts: int = 5, relaunch: 
 
 
 def main(n: int | None, job: TrainJob, **options: Any) -> int:
-    """Entry point of `python -m ulfmtrain supervise` (options: supervise's keyword arguments)."""
+    """Entry point of `python -m ulfmtrain supervise` (options: supervise's keyword arguments); told to stop by
+    a signal, it ends the attempt's whole job and returns 128 + its number (stopping.py)."""
     try:
-        return supervise(n, job, **options)
+        with stopping.stop_on_signals(PROG):
+            return supervise(n, job, **options)
     except (SuperviseError, slurm.SlurmError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except stopping.Stopped as stop:
+        return stop.status

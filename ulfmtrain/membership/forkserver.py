@@ -125,6 +125,7 @@ def _become(request: dict, fds: list[int], server: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != server:
             os._exit(1)               # the server died before prctl: nobody would end this child
+        os.setpgid(0, 0)              # its own process group: it ends with its DataLoader workers (serve)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -227,7 +228,10 @@ def _serve(listener: socket.socket, watch: int, keep: bool) -> None:
     while not (draining and not shims):
         for key, _ in sel.select():
             if key.data == "end":
-                return               # the children get SIGKILL with our exit
+                for pid in shims:    # with their process groups (DataLoader workers); else SIGKILL at our exit
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
+                return
             if key.data == "reap":
                 os.read(wake_r, 4096)
                 while (reaped := _reap()) is not None:
@@ -244,7 +248,8 @@ def _serve(listener: socket.socket, watch: int, keep: bool) -> None:
             elif key.data in shims:  # the shim died (or spoke out of turn): its child goes too
                 # (Not when this batch reaped the child already: its pid is free, and a kill would end the
                 # server, or whatever process takes the pid next.)
-                os.kill(key.data, signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.killpg(key.data, signal.SIGKILL)     # with its DataLoader workers
                 done(key.data, None)
 
 
@@ -260,11 +265,29 @@ def _preload() -> str:
 
 
 def _reap() -> tuple[int, int] | None:
+    """Reap an ended child, after the rest of its process group (its DataLoader workers): as PRRTE ends a rank's
+    group, so that none outlives it by the seconds torch's workers take to see their parent gone.  (While the
+    child is a zombie, its pid and group id cannot be taken by another process.)"""
     try:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
         return None
-    return (pid, status) if pid else None
+    if ended is None:
+        return None
+    with contextlib.suppress(OSError):
+        os.killpg(ended.si_pid, signal.SIGKILL)
+    return os.waitpid(ended.si_pid, 0)
+
+
+def _exec_signals() -> None:
+    """In a fork: the signal handlers of a process that PRRTE execs.  PRRTE sets SIGTERM, SIGINT, SIGHUP, SIGPIPE
+    and SIGCHLD to their defaults before exec, and Python then makes SIGINT a KeyboardInterrupt and ignores
+    SIGPIPE.  A fork keeps the server's own (SIGUSR1's, SIGCHLD's), and the server those it inherited: from a
+    test suite run in the background, SIGINT ignored, so a rank's SIGINT did nothing."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
 
 def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
@@ -292,11 +315,13 @@ def _fork_for(conn: socket.socket, error: str, server_fds: list[int]) -> int:
     pid = os.fork()
     if pid == 0:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _exec_signals()
         for fd in server_fds:    # closed, not unregistered: the epoll instance is the server's too
             os.close(fd)
         conn.close()
         _become(request, fds, server)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)          # as the child does: set before any killpg of it, whichever runs first
     for fd in fds:
         os.close(fd)
     try:

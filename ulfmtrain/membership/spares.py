@@ -56,13 +56,17 @@ class SpareComm(FaultTolerantComm):
 
     def __init__(self, spares: int) -> None:
         require_fault_tolerance()
-        world = _fault_tolerant_dup(MPI.COMM_WORLD)
-        if not 0 <= spares < world.Get_size():     # 0: respawn alone refills (respawn.py)
-            raise ValueError(f"--spares {spares} leaves no rank to train with {world.Get_size()} ranks: "
+        launched = MPI.COMM_WORLD.Get_size()
+        if not 0 <= spares < launched:     # 0: respawn alone refills (respawn.py)
+            raise ValueError(f"--spares {spares} leaves no rank to train with {launched} ranks: "
                              f"launch more ranks (-n N --spares K starts N + K)")
+        world = _fault_tolerant_dup(MPI.COMM_WORLD)
         self.world = world
-        self.slots = world.Get_size() - spares
-        me = world.Get_rank()
+        # Slots and spares by launch rank: the dup leaves out a rank that died before it, which is a dead slot
+        # (or spare) to repair below, not a reason to number the others anew (one slot fewer, and a training
+        # rank taken for a spare that waited to the end).
+        self.slots = launched - spares
+        me = MPI.COMM_WORLD.Get_rank()
         self.slot: int | None = me if me < self.slots else None
         self.spares_left = spares
         self.handover: StateHolder | None = None   # what sends and takes the state (a DistributedOptimizer)
@@ -79,7 +83,7 @@ class SpareComm(FaultTolerantComm):
         self.placement: list[int] = placement   # slot s keeps launch rank s's GPU (device.py)
         self._setup(comm, -1 if self.slot is None else self.slot, list(range(self.slots)))
         exits.arm_at_exit()
-        if not agree_all_ok(world, ok):
+        if not agree_all_ok(world, ok and world.Get_size() == launched):
             self._repair_at_start(t_start)
 
     def _repair_at_start(self, t_start: float) -> None:

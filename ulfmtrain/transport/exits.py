@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from . import lifecycle
+from . import jobtree, lifecycle
 
 LEAVING = 1 << 29          # this member is leaving the job
 FAILED = 1 << 30           # ... because it failed
@@ -98,7 +98,8 @@ def end_with(status: int) -> None:
 def arm_at_exit(timeout: float = 5.0) -> None:
     """At interpreter exit, leave the job: under ULFM, together with the peers and without
     MPI_Finalize, which can hang after a failure; else finalize, bounded.  Also installs the hooks that make an
-    uncaught exception or SIGTERM a failure the peers see (exits.install).
+    uncaught exception or SIGTERM a failure the peers see (exits.install), and ends the rank once the job's
+    launcher is gone (jobtree.watch_launcher).
 
     Idempotent: only the first call registers.
     """
@@ -106,6 +107,8 @@ def arm_at_exit(timeout: float = 5.0) -> None:
     if not _armed:
         _armed = True
         install()
+        jobtree.watch_launcher()
+        jobtree.note("started")
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
         atexit.register(finalize, timeout)
 
@@ -134,7 +137,23 @@ def _wrapper() -> Any:
     return None
 
 
+def _hold_signals() -> None:
+    """The rank is leaving: from here no signal handler may raise into it (main thread only).  torch's SIGCHLD
+    handler raises again at every SIGCHLD once a DataLoader worker died: it cut into the traceback being printed
+    (a frame without its source line, or "lost sys.stderr" and an object dump in place of the traceback) and
+    into the exit agree.  A no-op, not SIG_DFL: a signal caught already calls the handler set when it is run
+    (Python reports SIG_DFL there as a race); a second SIGINT or SIGTERM is ignored as well."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _ignore)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    pass
+
+
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    _hold_signals()
     if issubclass(exc_type, Terminated):
         print(f"ulfmtrain: error: world rank {os.environ.get('OMPI_COMM_WORLD_RANK', '?')} got SIGTERM",
               file=sys.stderr, flush=True)
@@ -178,6 +197,7 @@ def leave(failed: bool) -> None:
     """The exit protocol (see the module's docstring); returns only when every member is leaving."""
     global _left, _left_failed
     _left, _left_failed = True, failed
+    _hold_signals()
     from mpi4py import MPI
 
     from .stall import die_told
@@ -209,6 +229,7 @@ def leave(failed: bool) -> None:
         w.release_spares()      # waiting spares leave too
     for end in _at_leave:
         end()
+    jobtree.note("ended")
     _pmix_finalize()
 
 

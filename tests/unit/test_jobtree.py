@@ -1,0 +1,76 @@
+"""A rank ends its children and itself once its launcher is gone (jobtree.watch_launcher), without MPI: a
+`sleep` stands for `launch`, a Python process for the rank, and another `sleep` for its DataLoader worker."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ulfmtrain.transport import jobtree
+
+pytestmark = pytest.mark.timeout(60)
+RANK = """
+import json, subprocess, sys, time
+from ulfmtrain.transport import jobtree
+jobtree.watch_launcher()
+worker = subprocess.Popen(["sleep", "600"], start_new_session=True)   # even in a session of its own
+print(json.dumps([worker.pid]), flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rank_under(launcher: int) -> tuple[subprocess.Popen, int]:
+    rank = subprocess.Popen([sys.executable, "-P", "-c", RANK], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, jobtree.LAUNCHER_ENV: jobtree.identity(launcher)})
+    return rank, json.loads(rank.stdout.readline())[0]
+
+
+def test_a_rank_whose_launcher_dies_ends_its_children_and_itself():
+    launcher = subprocess.Popen(["sleep", "600"])
+    rank, worker = rank_under(launcher.pid)
+    time.sleep(0.5)
+    assert rank.poll() is None and alive(worker)       # the launcher lives: nothing happens
+    launcher.kill()
+    launcher.wait()
+    assert rank.wait(timeout=10) == -9
+    end = time.monotonic() + 5
+    while alive(worker) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not alive(worker)
+
+
+def test_a_launcher_named_with_another_start_time_is_gone_already():
+    """A pid taken by another process since (its start time differs): the rank ends at once."""
+    launcher = subprocess.Popen(["sleep", "600"])
+    try:
+        boot, pid, start = jobtree.identity(launcher.pid).split(":")
+        rank = subprocess.Popen([sys.executable, "-P", "-c", RANK], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, jobtree.LAUNCHER_ENV: f"{boot}:{pid}:{int(start) - 1}"})
+        assert rank.wait(timeout=30) == -9
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def test_no_launcher_or_another_machines_changes_nothing():
+    for value in ("", f"not-this-boot:{os.getpid()}:1"):
+        rank = subprocess.Popen([sys.executable, "-P", "-c", RANK], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, jobtree.LAUNCHER_ENV: value})
+        worker = json.loads(rank.stdout.readline())[0]
+        time.sleep(0.3)
+        assert rank.poll() is None
+        rank.kill()
+        rank.wait()
+        os.kill(worker, 9)
