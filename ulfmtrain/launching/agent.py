@@ -22,6 +22,7 @@ imports the standard library only.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import ipaddress
 import json
 import os
@@ -33,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import NoReturn
 
@@ -95,6 +97,20 @@ def agent_alive(directory: str, rank: int) -> bool:
         os.close(fd)                  # releases the lock if we took it
 
 
+def _load_board() -> types.ModuleType:
+    """The hang board (ulfmtrain/transport/board.py, standard library only), loaded by path: importing the
+    package would initialize MPI in this process."""
+    path = Path(__file__).resolve().parent.parent / "transport" / "board.py"
+    spec = importlib.util.spec_from_file_location("ulfmtrain_board", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+board = _load_board()
+
+
 def die(why: str) -> NoReturn:
     """One line on stderr, then SIGKILL: the only way out that ULFM survivors are told of."""
     print(f"{PROG}: {why}", file=sys.stderr, flush=True)
@@ -113,6 +129,12 @@ class Watch:
         self.buf = b""
         self.confirms: list[tuple[float, list[int]]] = []   # (deadline, removed ranks) not yet answered
         self.exit_code: int | None = None                    # the rank's status, once the tether reports it
+        # The rank's hang watch rows (hangs.py), written on the head's board as this agent's: a hung rank is
+        # evicted by killing its agent, the process Open MPI knows (board.py).
+        self.board = board.Board(plan["dir"])
+        self.row: dict | None = None
+        self.identity = (os.getpid(), board.start_time(os.getpid()), socket.gethostname())
+        self.cpu = 0          # the rank's CPU time (clock ticks) as its tether last reported it
 
     def send(self, line: str) -> None:
         assert self.conn is not None
@@ -122,7 +144,8 @@ class Watch:
             pass                      # the link is gone: the next read says so
 
     def feed(self, data: bytes) -> None:
-        """Handle the tether's lines: p (ping), c R,R (confirm a repair), k (rank killed), x N (rank exited)."""
+        """Handle the tether's lines: p (ping), c R,R (confirm a repair), k (rank killed), x N (rank exited),
+        h ROW (the rank's hang watch), u TICKS (the rank's CPU time)."""
         self.buf += data
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)
@@ -136,6 +159,23 @@ class Watch:
                 die(f"rank {self.rank} on {self.host} was killed by a signal")
             elif word == "x":
                 self.exit_code = int(arg)
+            elif word == "h":
+                self.row = board.relay(self.board, arg, *self.identity, self.cpu)
+            elif word == "u":
+                self.cpu = int(arg)
+                if self.row is not None:      # the rank ran (or not) since its last row: the board says so
+                    self.row["cpu_now"] = max(self.cpu, self.row["cpu"])
+                    self.board.write(self.row)
+
+    def judge_hangs(self) -> None:
+        """While the rank's row is fresh, judge the board for it (board.judge): evict hung ranks' agents; when
+        nobody comes, end (its tether then ends the rank) with status 3."""
+        if self.row is None or time.monotonic() - self.row["mono"] > 1.0:
+            return
+        line = board.judge(self.board, self.row)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+            sys.exit(3)
 
     def drain(self, timeout: float) -> None:
         """Read the link until the tether's exit report, its end, or timeout."""
@@ -194,7 +234,7 @@ def main(app: list[str]) -> None:
             deadline = t_start + CALLBACK_TIMEOUT
         else:
             deadline = last + w.keepalive
-        wait = deadline - now
+        wait = min(deadline - now, 0.25)    # the hang board's turn
         if w.confirms:
             wait = min(wait, 0.02)    # polling the removed ranks' locks
         for key, _ in sel.select(max(0.0, wait)):
@@ -228,6 +268,7 @@ def main(app: list[str]) -> None:
                 w.feed(data)
                 last = time.monotonic()
         w.answer_confirms()
+        w.judge_hangs()
         now = time.monotonic()
         if w.conn is None and now >= t_start + CALLBACK_TIMEOUT:
             die(f"rank {rank} on {w.host}: no call back from its tether to {head} within {CALLBACK_TIMEOUT:g} s "

@@ -88,6 +88,9 @@ def arm_at_exit(timeout: float = 5.0) -> None:
         install()
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
         atexit.register(finalize, timeout)
+        from . import hangs
+
+        hangs.start()      # a rank that makes no progress for a bound fails (and is failed) like a killed one
 
 
 def install() -> None:
@@ -149,8 +152,9 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
     return lifecycle.finalize(timeout, exit_code) if finalizes else exit_code
 
 
-def leave(failed: bool) -> None:
-    """The exit protocol (see the module's docstring); returns only when every member is leaving."""
+def leave(failed: bool, bound: float | None = None) -> None:
+    """The exit protocol (see the module's docstring); returns only when every member is leaving.  bound: how
+    long to wait for the peers' agree (FAILED_BOUND_S, or WORLD_BOUND_S before any FaultTolerantComm)."""
     global _left
     _left = True
     from mpi4py import MPI
@@ -168,7 +172,7 @@ def leave(failed: bool) -> None:
             die_told(f"ulfmtrain: world rank {me} {why}; it ends by SIGKILL so that the others see it leave")
         _pmix_finalize()        # a spare released at the end
         return
-    bound = FAILED_BOUND_S if w is not None else WORLD_BOUND_S
+    bound = bound or (FAILED_BOUND_S if w is not None else WORLD_BOUND_S)
     value = NEUTRAL | LEAVING | (FAILED if failed else 0)
     first = _agree(comm, value, 0.0 if failed and w is not None else DONE_GRACE_S, bound)
     second = _agree(comm, value, 0.0, bound) if first is not None and first & LEAVING else None
