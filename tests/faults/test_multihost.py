@@ -529,3 +529,32 @@ def test_a_repair_the_head_refuses_stops_the_survivors(digits_dir, tmp_path):
         assert not {x["event"] for x in logs[r]} & {"recovery", "end"}, logs[r][-3:]
         assert max(x["step"] for x in logs[r] if x["event"] == "step") < 21
     assert not (out / "summary.json").exists()
+
+
+def test_agent_launch_evicts_a_hung_rank_on_another_host(two_hosts, digits_dir, tmp_path):
+    """Rank 2, on host b, SIGSTOPped (its host and its tether run on): its agent on the head stops hearing from
+    its hang watch while a's ranks wait for it, so the agents judge it hung after the bound and its agent dies by
+    SIGKILL (the process Open MPI knows for it); the survivors repair and finish, and the tether, its link to the
+    head closed, SIGKILLs the stopped rank.  Before, the peers' step watchdog ended them with status 3."""
+    hosts, agent, hostfile = two_hosts
+    a, b = list(hosts)
+    out = tmp_path / "out"
+    bound = 3.0
+    proc = start_agent_job(hosts, agent, hostfile, a, 4, out, ["--epochs", "6", "--step-timeout", str(bound)],
+                           digits_dir)
+    assert wait_for(lambda: steps_of(out, 0) >= 30, proc, 100), "training never reached step 30"
+    pid = next(x for x in read_rank_logs(out)[2] if x["event"] == "start")["pid"]
+    assert str(pid) in signal_host(hosts[b], "0")           # the rank's own process, on host b
+    t_stop = time.time()
+    os.kill(pid, 19)                                        # SIGSTOP
+    diag = finished(proc, tmp_path)
+    logs = read_rank_logs(out)
+    check_survivors(logs, [0, 1, 3], [4, 3])
+    line = next((x for x in diag.splitlines() if "world rank 2 (pid" in x and "SIGKILLed" in x), None)
+    assert line is not None and f"on {a})" in line, diag     # its agent, on the head, is what was killed
+    detected = learned(next(x for x in logs[0] if x["event"] == "recovery")) - t_stop
+    used = float(line.split("bound ")[1].split(" s")[0])
+    assert bound - 0.5 <= detected <= used + 10, (detected, diag)
+    assert not os.path.exists(f"/proc/{pid}"), "the stopped rank outlived its eviction"
+    assert not [x for x in logs[2] if x["t"] > t_stop + 0.2]
+    print(f"\nrank 2 on host b stopped: evicted through its agent {detected:.2f} s later (bound {used:g} s)")

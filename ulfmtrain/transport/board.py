@@ -41,6 +41,18 @@ def _stat(pid: int | str) -> list[str] | None:
         return None
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of pid in its session (DataLoader workers; not a server it started in a session of its
+    own, such as the fork server)."""
+    mine = _stat(pid)
+    out = []
+    for name in os.listdir("/proc"):
+        fields = _stat(name) if name.isdigit() else None
+        if fields and mine and int(fields[1]) == pid and fields[3] == mine[3]:
+            out.append(int(name))
+    return out
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the pid, its identity."""
     fields = _stat(pid)

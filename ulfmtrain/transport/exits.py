@@ -48,6 +48,7 @@ _previous_hook = sys.excepthook
 _installed = False
 _armed = False
 _at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (the fork server: forkserver.drain)
+_leaving = threading.Lock()  # one thread leaves (the hang watch's, for a stuck main thread, or the main thread)
 
 
 class Terminated(BaseException):
@@ -156,6 +157,8 @@ def leave(failed: bool, bound: float | None = None) -> None:
     """The exit protocol (see the module's docstring); returns only when every member is leaving.  bound: how
     long to wait for the peers' agree (FAILED_BOUND_S, or WORLD_BOUND_S before any FaultTolerantComm)."""
     global _left
+    if not _leaving.acquire(blocking=False):
+        threading.Event().wait()        # another thread of this process is leaving: the process ends with it
     _left = True
     from mpi4py import MPI
 

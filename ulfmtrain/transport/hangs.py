@@ -31,9 +31,11 @@ every survivor): it follows the steps the job actually runs and is never shorter
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -326,12 +328,17 @@ def stop() -> None:
 
 
 def _leave_stuck(line: str, b: float) -> None:
-    """A hung rank (this one): one line, then the exit protocol as a failure; if every rank leaves, status 3."""
+    """A hung rank (this one): one line, its own child processes (DataLoader workers: one may be what it waits
+    for, and they would hold mpirun's output pipes) SIGKILLed, then the exit protocol as a failure; if every
+    rank leaves, status 3."""
     from . import exits
 
     assert _watch is not None
     _watch.done.set()
     print(line, file=sys.stderr, flush=True)
+    for child in boards.children(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)
     if exits.fault_tolerant():       # (without ULFM, mpirun ends the whole job on this exit)
         exits.leave(failed=True, bound=min(exits.FAILED_BOUND_S, max(b, 1.0)))
     os._exit(INIT_HANG_EXIT_CODE)
