@@ -5,7 +5,7 @@ argv: OUT MODE.  MODE:
   evaluate  at each epoch's end every rank evaluates its replica (busy, EVAL_S) and rank 1 saves it with
             torch.save; rank 0 evaluates 1.5 s more after epoch 0 (its peers then wait 1.5 s in the next step)
             and two bounds more after epoch 1 (its peers wait that long for its own work): nothing is a hang.
-  loader    the DataLoader has one worker; rank 1's worker blocks for good in its 40th batch (a stuck
+  loader    the DataLoader has one worker; rank 1's worker blocks for good in its 20th batch (a stuck
             DataLoader): rank 1 leaves as a failed rank and the others train on.
   deadlock  every rank deadlocks in its 30th step (a bug that every rank meets): the job ends with status 3.
 Each rank that ends writes OUT/rank<N>.json: checksum, world history, steps, pid.
@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 comm = ulfmtrain.connect()
 x, y = load_digits(return_X_y=True)
 data = TensorDataset(torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y))
-stuck_at = 40 * BATCH if mode == "loader" and comm.world_rank == 1 else -1
+stuck_at = 20 * BATCH if mode == "loader" and comm.world_rank == 1 else -1
 
 
 class Digits(torch.utils.data.Dataset):

@@ -68,6 +68,7 @@ def row(pid, state="work", mono=100.0, cpu=0, role="member", **kw):
     return {"pid": pid, "start": 1, "host": "h", "rank": pid, "role": role, "mono": mono, "cpu": cpu,
             "state": state, "for": kw.pop("for_", 0.0), "bound": 3.0, "work": kw.pop("work", 0.1),
             "steps": kw.pop("steps", 10), "where": f"world rank {pid}", "size": kw.pop("size", 3),
+            "nobody": 30.0, "spans_hosts": False, "bounded": False,
             "cpu_now": kw.pop("cpu_now", cpu), **kw}
 
 
@@ -116,13 +117,20 @@ def test_the_board_keeps_one_row_per_live_process_and_one_line_per_eviction(tmp_
     assert not os.path.exists(board.dir)
 
 
-def test_nobody_comes_only_when_every_member_waits_past_the_bound(tmp_path):
+def test_nobody_comes_only_when_every_member_waits_past_ten_bounds(tmp_path):
     board = boards.Board(str(tmp_path / "b"))
-    me = row(os.getpid(), "wait", for_=5.0, start=boards.start_time(os.getpid()), size=1)
+    me = row(os.getpid(), "wait", for_=31.0, start=boards.start_time(os.getpid()))
     board.write(me)
     assert "none of them hung" in boards.judge(board, me)
-    assert boards.judge(board, {**me, "for": 1.0}) is None                  # not past the bound yet
-    assert "peer on another host" in boards.judge(board, {**me, "size": 2})  # a member out of sight
+    assert boards.judge(board, {**me, "for": 29.0}) is None                 # past the bound, not past ten
+    assert boards.judge(board, {**me, "bounded": True}) is None             # a spawn's own watchdog bounds it
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        board.write(row(child.pid, "work", start=boards.start_time(child.pid), mono=time.monotonic()))
+        assert boards.judge(board, me) is None                              # a member works: it may come
+    finally:
+        child.kill()
+    assert "another host" in boards.judge(board, {**me, "spans_hosts": True})   # peers out of this board's sight
 
 
 PROGRAM = """

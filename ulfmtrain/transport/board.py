@@ -208,9 +208,10 @@ def _ran_since_beat(row: Row) -> int:
 
 
 def nobody_comes(me: Row, rows: list[Row]) -> bool:
-    """Every member of the job on this board has waited in ulfmtrain past me's bound: nobody runs that could end
-    the wait (a death nobody reported, or a fault path that never returns)."""
-    return all(r["state"] == "wait" and r["for"] >= me["bound"] for r in rows
+    """Every member of the job on this board has waited in ulfmtrain past me's bound for it, none of them in a
+    wait a watchdog of its own bounds (a spawn, a merge): nobody runs that could end the wait (a death nobody
+    reported, or a fault path that never returns)."""
+    return all(r["state"] == "wait" and r["for"] >= me["nobody"] and not r.get("bounded") for r in rows
                if r["role"] == "member" and r["host"] == me["host"])
 
 
@@ -229,8 +230,20 @@ def judge(board: Board, me: Row) -> str | None:
     rows = board.rows()
     for other, line in verdicts(me, rows, time.monotonic()):
         board.evict(other, line)
-    if me["role"] != "member" or me["state"] != "wait" or me["for"] < me["bound"]:
+    if me["role"] != "member" or me["state"] != "wait" or me["for"] < me["nobody"] or me.get("bounded"):
         return None
+    if time.time() - board.last_eviction() < me["bound"]:
+        return None             # an eviction within the bound: its repair is under way
+    if me["spans_hosts"]:       # peers on other hosts are out of sight (the normal launch across hosts)
+        return (f"ulfmtrain: error: {me['where']} has waited in ulfmtrain for {me['for']:.0f} s (bound "
+                f"{me['nobody']:g} s) for a peer that may be on another host and hung: the job ends (status 3); "
+                "`launch --agent` evicts a hung rank on another host instead")
+    if nobody_comes(me, rows):
+        return (f"ulfmtrain: error: {me['where']} and every rank of the job have waited in ulfmtrain for "
+                f"{me['for']:.0f} s (bound {me['nobody']:g} s), none of them hung: a death that Open MPI did not "
+                "report, or a fault path that never returns; the job ends (status 3). Resume it from a checkpoint "
+                "(--ckpt-dir, under `ulfmtrain supervise`)")
+    return None
     if time.time() - board.last_eviction() < me["bound"]:
         return None             # an eviction within the bound: its repair is under way
     seen = sum(1 for r in rows if r["role"] == "member" and r["host"] == me["host"])

@@ -195,6 +195,7 @@ class FaultInjector:
             del self._mine[(kill.step, kill.phase)]
             self._die(kill, pid)
         elif kill is not None and kill.kills:
+            del self._mine[(kill.step, kill.phase)]     # once (a stopped rank that resumes goes on from here)
             self._die(kill)
         elif kill is not None and self._errors_left.get(step, 0) > 0:
             self._errors_left[step] -= 1
@@ -219,7 +220,8 @@ class FaultInjector:
 
         def hook(_param) -> None:
             seen[0] += 1
-            if seen[0] >= target:
+            if seen[0] == target:          # once (a stopped rank that resumes goes on from here)
+                self._mine.pop((kill.step, kill.phase), None)
                 self._die(kill)
 
         return [p.register_post_accumulate_grad_hook(hook) for p in params]

@@ -18,7 +18,10 @@ It writes both, with a heartbeat, on the job's board (board.py), and applies one
    status 3).  A busy main thread (an evaluation, a save) is never hung.
 2. **The peers' side.**  A rank that waits SIGKILLs every process of the job whose heartbeat is older than B
    (frozen: its watch thread cannot run either); across hosts the agents do it for their ranks (agent.py).
-3. **Nobody comes.**  A member that waited B while every member waits too, none frozen, ends with status 3.
+3. **Nobody comes.**  A member that waited NOBODY_BOUNDS x B (600 s at the default floor) while every member
+   waits too, none frozen and none in a wait of its own bounded (a spawn, a merge: stall.py), ends with status 3
+   (a death Open MPI did not report, a fault path that never returns); so does one whose peers are on other hosts,
+   out of its board's sight (the normal launch across hosts: `launch --agent` sees them all).
 
 Stragglers (off by default, $ULFMTRAIN_STRAGGLER or train --straggler F): a member whose own work per step
 (from its commit to its next contribution) is F times its peers' median is evicted the same way.
@@ -47,12 +50,13 @@ from typing import Any
 
 from . import board as boards
 from .lifecycle import INIT_HANG_EXIT_CODE, env_seconds
-from .stall import die_told
+from .stall import die_told, in_bounded_wait
 
 FLOOR_ENV = "ULFMTRAIN_STEP_TIMEOUT"
 STRAGGLER_ENV = "ULFMTRAIN_STRAGGLER"
 DEFAULT_FLOOR_S = 60.0                 # torchft's default timeout; a step of ulfmtrain's takes ms to seconds
 STEPS_PER_BOUND = 10
+NOBODY_BOUNDS = 10                     # "nobody comes" takes this many bounds (600 s at the default floor)
 STEP_LEVELS, STEP_UNIT_S, STEP_SHIFT = 20, 0.01, 3   # thermometer: bit i = "my step <= 10 ms x 2^i"
 STEPS_KEPT = 16
 IDLE_RUNNABLE, IDLE_CPU = 0.05, 0.02   # a stuck main thread: runnable in at most 5 % of samples, 2 % of a core
@@ -188,6 +192,9 @@ class Watch:
         self._cpu = time.pthread_getcpuclockid(main.ident)
         self.pid, self.start = os.getpid(), boards.start_time(os.getpid())
         self.host = os.environ.get("ULFMTRAIN_HOST") or socket.gethostname()
+        # The normal launch across hosts: peers on other hosts are on other boards, out of this one's sight.
+        world, local = (os.environ.get(f"OMPI_COMM_WORLD_{k}SIZE") for k in ("", "LOCAL_"))
+        self.spans_hosts = bool(world and local and int(local) < int(world))
         self.state, self.since, self.progress = "work", time.monotonic(), -1
         self.samples: collections.deque[tuple[float, float, bool]] = collections.deque()
         self.last_tick = time.monotonic()
@@ -232,7 +239,8 @@ class Watch:
                 "mono": now, "cpu": boards.cpu_ticks(), "state": self.state, "for": now - self.since, "bound": b,
                 "work": statistics.median(steps.work) if steps.work else 0.0, "steps": len(steps.work),
                 "where": who, "at": where, "size": getattr(w, "size", 0) if role == "member" else 0,
-                "straggler": straggler()}
+                "straggler": straggler(), "bounded": in_bounded_wait(), "nobody": NOBODY_BOUNDS * b,
+                "spans_hosts": self.spans_hosts}
 
     # -- the loop ----------------------------------------------------------------
     def tick(self) -> None:

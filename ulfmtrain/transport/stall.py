@@ -21,6 +21,13 @@ from .lifecycle import INIT_HANG_EXIT_CODE
 
 # The status of every bound the job ends itself at: MPI_Init, a spawn or join, a step.
 STALL_EXIT_CODE = INIT_HANG_EXIT_CODE
+_open: set[Watchdog] = set()
+
+
+def in_bounded_wait() -> bool:
+    """A watchdog bounds a wait of this process now (a spawn, a merge, a join): the hang watch leaves that wait
+    to it (hangs.py)."""
+    return bool(_open)
 
 
 class Watchdog:
@@ -36,12 +43,14 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ulfmtrain-watchdog", daemon=True)
         self._thread.start()
+        _open.add(self)
 
     def pet(self) -> None:
         """Progress: the bound starts again."""
         self._last = time.monotonic()
 
     def close(self) -> None:
+        _open.discard(self)
         self._stop.set()
         self._thread.join()
 
