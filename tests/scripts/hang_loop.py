@@ -21,7 +21,6 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 import ulfmtrain
-from ulfmtrain.transport import hangs
 
 EPOCHS, BATCH, EVAL_S = 3, 16, 1.0
 out, mode = sys.argv[1], sys.argv[2]
@@ -61,7 +60,7 @@ opt = ulfmtrain.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e
 sampler = ulfmtrain.ExactlyOnceSampler(len(data), comm, opt, batch_size=BATCH, seed=1)
 loader = DataLoader(Digits(), batch_sampler=sampler, num_workers=1 if mode == "loader" else 0)
 lock = threading.Lock()
-bound = hangs.bound(comm)
+bound = float(os.environ["ULFMTRAIN_STEP_TIMEOUT"])   # the floor: steps here are far shorter
 for epoch in sampler.epochs(0, EPOCHS):
     for xb, yb in loader:
         if mode == "deadlock" and opt.step_count == 30:
