@@ -358,9 +358,11 @@ def _judge_hangs(v: Verdict, text: str) -> None:
     run; a rank stopped for a while may be removed or not, as the bound and its SIGCONT fall)."""
     if v.case.hang_bound is None:
         return
-    kills = [(r, x) for r, recs in v.logs.items() for x in recs if x["event"] == "kill"]
-    hung = {r: x for r, x in kills if x.get("kind") == "hang" or x["spec"].endswith("/stop")}
-    may = {r for r, x in kills if x.get("kind") in ("hang", "stop")}
+    # (kill_armed: the recovery phase, where the C fault path stops the rank inside its next repair; when, the
+    # log cannot say, so such a rank is not timed)
+    kills = [(r, x) for r, recs in v.logs.items() for x in recs if x["event"] in ("kill", "kill_armed")]
+    hung = {r: x for r, x in kills if x["event"] == "kill" and (x.get("kind") == "hang" or x["spec"].endswith("/stop"))}
+    may = {r for r, x in kills if x["spec"].rsplit("/", 1)[-1].split("=")[0] in ("hang", "stop")}
     lines = [x for x in text.splitlines() if EVICTED in x or STUCK in x]
     removed = {int(m[1]) for x in lines if (m := re.search(r"world rank (\d+)", x))}
     if removed - may:
