@@ -223,7 +223,8 @@ def main(argv: list[str]) -> int:
                 quota.close()
 
     def key(run: dict) -> str:
-        return run["kind"] if run["kind"] == "kill" else f"{run['kind']} bound {run['bound'] or 'default'}"
+        bound = "default" if run["bound"] is None else f"{run['bound']:g} s"
+        return run["kind"] if run["kind"] == "kill" else f"{run['kind']} bound {bound}"
 
     hang = {k: {"next_commit_s": common.summarize(r["next_commit_s"] for r in hang_runs if key(r) == k),
                 "bound_used_s": [r["bound_used_s"] for r in hang_runs if key(r) == k]}

@@ -148,6 +148,9 @@ print(repr(ends[:1]), round(time.monotonic() - t0, 1))
 @pytest.mark.parametrize("main, stuck", [
     ("lock = threading.Lock(); lock.acquire(); lock.acquire(timeout=2.5)", True),          # a deadlock, 2.5 s
     ("x = 0\nwhile time.monotonic() - t0 < 2.5:\n    x += 1", False),                     # busy: an evaluation
+    # Asleep most of the time, but reading 40 KiB/s: a download, or a slow disk.
+    ("import os\nr, w = os.pipe()\nthreading.Thread(target=lambda: [(time.sleep(0.1), os.write(w, bytes(4096))) "
+     "for _ in range(25)] + [os.close(w)], daemon=True).start()\nwhile os.read(r, 65536):\n    pass", False),
 ])
 def test_a_main_thread_that_does_not_run_is_hung_and_a_busy_one_is_not(main, stuck):
     env = {**os.environ, hangs.FLOOR_ENV: "1"}

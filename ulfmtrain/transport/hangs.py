@@ -12,10 +12,10 @@ exits.arm_at_exit) looks a few times a second at where the main thread is:
 
 It writes both, with a heartbeat, on the job's board (board.py), and applies one bound B to three rules:
 
-1. **Its own side.**  A main thread that has worked for B without running (asleep in every sample, under 2 % of
-   a core: a deadlock, a stuck DataLoader) is hung: the rank prints one line and leaves as a failure
-   (exits.leave: its peers, waiting for it, revoke and repair; if every rank is hung, the job ends with
-   status 3).  A busy main thread (an evaluation, a save) is never hung.
+1. **Its own side.**  A main thread that has worked for B without running (asleep in 95 % of the samples, under
+   2 % of a core, reading and writing under 1 KiB/s: a deadlock, a stuck DataLoader) is hung: the rank prints
+   one line and leaves as a failure (exits.leave: its peers, waiting for it, revoke and repair; if every rank
+   is hung, the job ends with status 3).  A busy main thread (an evaluation, a save, a download) is never hung.
 2. **The peers' side.**  A rank that waits SIGKILLs every process of the job whose heartbeat is older than B
    (frozen: its watch thread cannot run either); across hosts the agents do it for their ranks (agent.py).
 3. **Nobody comes.**  A member that waited NOBODY_BOUNDS x B (600 s at the default floor) while every member
@@ -59,7 +59,9 @@ STEPS_PER_BOUND = 10
 NOBODY_BOUNDS = 10                     # "nobody comes" takes this many bounds (600 s at the default floor)
 STEP_LEVELS, STEP_UNIT_S, STEP_SHIFT = 20, 0.01, 3   # thermometer: bit i = "my step <= 10 ms x 2^i"
 STEPS_KEPT = 16
-IDLE_RUNNABLE, IDLE_CPU = 0.05, 0.02   # a stuck main thread: runnable in at most 5 % of samples, 2 % of a core
+# A stuck main thread: runnable in at most 5 % of the samples, 2 % of a core, and under 1 KiB/s read or written (a
+# download or a slow disk moves bytes; a deadlock, or a wait for a DataLoader worker that never answers, does not).
+IDLE_RUNNABLE, IDLE_CPU, IDLE_IO = 0.05, 0.02, 1024
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WAITS = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("transport", "membership"))
 _OVERLAP = os.path.join(_PACKAGE, "training", "overlap.py")    # the main thread waiting for the reductions
@@ -178,6 +180,16 @@ def _thread_state(tid: int) -> str:
         return "?"
 
 
+def _thread_io(tid: int) -> int:
+    """Bytes a thread of this process has read and written so far (files, sockets, pipes)."""
+    try:
+        with open(f"/proc/self/task/{tid}/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
 class Watch:
     """The thread (see the module's docstring).  comm() gives this rank's communicator wrapper, or None;
     progress() a count that moves whenever the fault path returns or a step commits; on_stuck(line, bound) and
@@ -196,7 +208,7 @@ class Watch:
         world, local = (os.environ.get(f"OMPI_COMM_WORLD_{k}SIZE") for k in ("", "LOCAL_"))
         self.spans_hosts = bool(world and local and int(local) < int(world))
         self.state, self.since, self.progress = "work", time.monotonic(), -1
-        self.samples: collections.deque[tuple[float, float, bool]] = collections.deque()
+        self.samples: collections.deque[tuple[float, float, bool, int]] = collections.deque()
         self.last_tick = time.monotonic()
         self.board: boards.Board | None = None
         self.send: Callable[[str], None] | None = None
@@ -214,7 +226,8 @@ class Watch:
             self.state, self.since, self.progress = state, now, progress
             self.samples.clear()
         if state == "work":
-            self.samples.append((now, time.clock_gettime(self._cpu), _thread_state(self._tid) == "R"))
+            self.samples.append((now, time.clock_gettime(self._cpu), _thread_state(self._tid) == "R",
+                                 _thread_io(self._tid)))
             while self.samples and now - self.samples[0][0] > b:
                 self.samples.popleft()
         return state, where
@@ -223,11 +236,13 @@ class Watch:
         """How long the main thread has worked without running (0 unless for the whole bound)."""
         if self.state != "work" or now - self.since < b or len(self.samples) < 4:
             return 0.0
-        t0, cpu0, _ = self.samples[0]
+        t0, cpu0, _, io0 = self.samples[0]
         span = now - t0
         runnable = sum(s[2] for s in self.samples) / len(self.samples)
         cpu = time.clock_gettime(self._cpu) - cpu0
-        return now - self.since if span >= 0.9 * b and runnable <= IDLE_RUNNABLE and cpu <= IDLE_CPU * span else 0.0
+        io = self.samples[-1][3] - io0
+        idle = runnable <= IDLE_RUNNABLE and cpu <= IDLE_CPU * span and io <= IDLE_IO * span
+        return now - self.since if span >= 0.9 * b and idle else 0.0
 
     def make_row(self, now: float, b: float, where: str) -> dict[str, Any]:
         w = self._comm()
