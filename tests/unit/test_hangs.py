@@ -148,6 +148,9 @@ print(repr(ends[:1]), round(time.monotonic() - t0, 1))
 @pytest.mark.parametrize("main, stuck", [
     ("lock = threading.Lock(); lock.acquire(); lock.acquire(timeout=2.5)", True),          # a deadlock, 2.5 s
     ("x = 0\nwhile time.monotonic() - t0 < 2.5:\n    x += 1", False),                     # busy: an evaluation
+    # The main thread joins a thread of the program's that works: a save in the background.
+    ("t = threading.Thread(target=lambda: sum(1 for _ in iter(lambda: time.monotonic() - t0 < 2.5, False)))\n"
+     "t.start()\nt.join()", False),
     # Asleep most of the time, but reading 40 KiB/s: a download, or a slow disk.
     ("import os\nr, w = os.pipe()\nthreading.Thread(target=lambda: [(time.sleep(0.1), os.write(w, bytes(4096))) "
      "for _ in range(25)] + [os.close(w)], daemon=True).start()\nwhile os.read(r, 65536):\n    pass", False),

@@ -12,10 +12,11 @@ exits.arm_at_exit) looks a few times a second at where the main thread is:
 
 It writes both, with a heartbeat, on the job's board (board.py), and applies one bound B to three rules:
 
-1. **Its own side.**  A main thread that has worked for B without running (asleep in 95 % of the samples, under
-   2 % of a core, reading and writing under 1 KiB/s: a deadlock, a stuck DataLoader) is hung: the rank prints
-   one line and leaves as a failure (exits.leave: its peers, waiting for it, revoke and repair; if every rank
-   is hung, the job ends with status 3).  A busy main thread (an evaluation, a save, a download) is never hung.
+1. **Its own side.**  A main thread that has worked for B without running (asleep in 95 % of the samples, its
+   process under 2 % of a core and 1 KiB/s read or written: a deadlock, a stuck DataLoader) is hung: the rank
+   prints one line and leaves as a failure (exits.leave: its peers, waiting for it, revoke and repair; if every
+   rank is hung, the job ends with status 3).  A busy rank (an evaluation, a save, a download, a thread of its
+   own that the main thread joins) is never hung.
 2. **The peers' side.**  A rank that waits SIGKILLs every process of the job whose heartbeat is older than B
    (frozen: its watch thread cannot run either); across hosts the agents do it for their ranks (agent.py).
 3. **Nobody comes.**  A member that waited NOBODY_BOUNDS x B (600 s at the default floor) while every member
@@ -59,8 +60,9 @@ STEPS_PER_BOUND = 10
 NOBODY_BOUNDS = 10                     # "nobody comes" takes this many bounds (600 s at the default floor)
 STEP_LEVELS, STEP_UNIT_S, STEP_SHIFT = 20, 0.01, 3   # thermometer: bit i = "my step <= 10 ms x 2^i"
 STEPS_KEPT = 16
-# A stuck main thread: runnable in at most 5 % of the samples, 2 % of a core, and under 1 KiB/s read or written (a
-# download or a slow disk moves bytes; a deadlock, or a wait for a DataLoader worker that never answers, does not).
+# A stuck main thread: runnable in at most 5 % of the samples, and its process (the watch aside) under 2 % of a core
+# and 1 KiB/s read or written: a download, a slow disk or a thread of the program's own that the main thread joins
+# works; a deadlock, or a wait for a DataLoader worker that never answers, does not.
 IDLE_RUNNABLE, IDLE_CPU, IDLE_IO = 0.05, 0.02, 1024
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WAITS = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("transport", "membership"))
@@ -180,14 +182,22 @@ def _thread_state(tid: int) -> str:
         return "?"
 
 
-def _thread_io(tid: int) -> int:
-    """Bytes a thread of this process has read and written so far (files, sockets, pipes)."""
+def _io(path: str) -> int:
+    """Bytes read and written so far (files, sockets, pipes), from /proc/self/io or a thread's own."""
     try:
-        with open(f"/proc/self/task/{tid}/io") as f:
+        with open(path) as f:
             fields = dict(line.split(": ") for line in f.read().splitlines())
         return int(fields["rchar"]) + int(fields["wchar"])
     except (OSError, KeyError, ValueError):
         return 0
+
+
+def _others_work() -> tuple[float, int]:
+    """CPU seconds and bytes moved so far by every thread of this process but the calling one (the watch's own
+    rows and reads are not the program's work; a thread of the program's that the main thread waits for is)."""
+    me = threading.get_native_id()
+    return (boards.cpu_ticks() / os.sysconf("SC_CLK_TCK") - time.thread_time(),
+            _io("/proc/self/io") - _io(f"/proc/self/task/{me}/io"))
 
 
 class Watch:
@@ -201,20 +211,18 @@ class Watch:
         main = threading.main_thread()
         assert main.ident is not None and main.native_id is not None
         self._main, self._tid = main.ident, main.native_id
-        self._cpu = time.pthread_getcpuclockid(main.ident)
         self.pid, self.start = os.getpid(), boards.start_time(os.getpid())
         self.host = os.environ.get("ULFMTRAIN_HOST") or socket.gethostname()
         # The normal launch across hosts: peers on other hosts are on other boards, out of this one's sight.
         world, local = (os.environ.get(f"OMPI_COMM_WORLD_{k}SIZE") for k in ("", "LOCAL_"))
         self.spans_hosts = bool(world and local and int(local) < int(world))
         self.state, self.since, self.progress = "work", time.monotonic(), -1
-        self.samples: collections.deque[tuple[float, float, bool, int]] = collections.deque()
+        self.samples: collections.deque[tuple[float, float, int, bool]] = collections.deque()
         self.last_tick = time.monotonic()
         self.board: boards.Board | None = None
         self.send: Callable[[str], None] | None = None
         self.done = threading.Event()
         self.thread: threading.Thread | None = None
-        self.row: dict[str, Any] = {}
 
     # -- what this rank says ---------------------------------------------------
     def sample(self, now: float, b: float) -> tuple[str, str]:
@@ -226,8 +234,7 @@ class Watch:
             self.state, self.since, self.progress = state, now, progress
             self.samples.clear()
         if state == "work":
-            self.samples.append((now, time.clock_gettime(self._cpu), _thread_state(self._tid) == "R",
-                                 _thread_io(self._tid)))
+            self.samples.append((now, *_others_work(), _thread_state(self._tid) == "R"))
             while self.samples and now - self.samples[0][0] > b:
                 self.samples.popleft()
         return state, where
@@ -236,15 +243,13 @@ class Watch:
         """How long the main thread has worked without running (0 unless for the whole bound)."""
         if self.state != "work" or now - self.since < b or len(self.samples) < 4:
             return 0.0
-        t0, cpu0, _, io0 = self.samples[0]
+        (t0, cpu0, io0, _), (_, cpu1, io1, _) = self.samples[0], self.samples[-1]
         span = now - t0
-        runnable = sum(s[2] for s in self.samples) / len(self.samples)
-        cpu = time.clock_gettime(self._cpu) - cpu0
-        io = self.samples[-1][3] - io0
-        idle = runnable <= IDLE_RUNNABLE and cpu <= IDLE_CPU * span and io <= IDLE_IO * span
+        runnable = sum(s[3] for s in self.samples) / len(self.samples)
+        idle = runnable <= IDLE_RUNNABLE and cpu1 - cpu0 <= IDLE_CPU * span and io1 - io0 <= IDLE_IO * span
         return now - self.since if span >= 0.9 * b and idle else 0.0
 
-    def make_row(self, now: float, b: float, where: str) -> dict[str, Any]:
+    def make_row(self, now: float, b: float) -> dict[str, Any]:
         w = self._comm()
         role = "other" if w is None else "spare" if getattr(w, "slot", 0) is None else "member"
         rank = w.world_rank if role == "member" else None
@@ -253,7 +258,7 @@ class Watch:
         return {"pid": self.pid, "start": self.start, "host": self.host, "rank": rank, "role": role,
                 "mono": now, "cpu": boards.cpu_ticks(), "state": self.state, "for": now - self.since, "bound": b,
                 "work": statistics.median(steps.work) if steps.work else 0.0, "steps": len(steps.work),
-                "where": who, "at": where, "size": getattr(w, "size", 0) if role == "member" else 0,
+                "where": who, "size": getattr(w, "size", 0) if role == "member" else 0,
                 "straggler": straggler(), "bounded": in_bounded_wait(), "nobody": NOBODY_BOUNDS * b,
                 "spans_hosts": self.spans_hosts}
 
@@ -271,7 +276,7 @@ class Watch:
             return
         self.last_tick = now
         _, where = self.sample(now, b)
-        self.row = row = self.make_row(now, b, where)
+        row = self.make_row(now, b)
         if self.send is not None:           # under a tether: the agent on the head node judges (agent.py)
             self.send("h " + json.dumps(row))
         stuck = self.stuck_for(now, b)
