@@ -49,6 +49,9 @@ EPOCHS, CKPT_EVERY, RESUME_STEP = 2, 5, 8
 # both on 3 slots (one failure-free run); and 323, respawn whose newcomers fail before they are ready, one of them
 # still starting when training ends (the revoke toward it hung the spawning rank at its end).
 DEFAULT_SEEDS = [6, 7, 323]
+# With --hangs: 7, spares (3 slots, 2 spares) where slot 0 is SIGSTOPped for good in its update and slot 2 is
+# SIGKILLed: the spares take both slots and the run ends on the failure-free checksum.
+HANG_SEEDS = [7]
 TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress"]
 # Failure kinds, as the kill spec's /KIND suffix says them (faults.py): one more kind is one more line.
 KINDS = (

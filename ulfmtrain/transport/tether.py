@@ -22,6 +22,7 @@ initialize MPI in it), and imports the standard library only.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import selectors
 import signal
@@ -58,15 +59,14 @@ def stop(why: str) -> NoReturn:
 # -- the tether process, on the rank's host ----------------------------------
 CPU_REPORT_S = 0.5        # how often the tether tells the head how much CPU time its rank has used
 
-
-def cpu_ticks(pid: int) -> int:
-    """CPU time of a process so far, in clock ticks (utime + stime of /proc/PID/stat; 0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return 0
+if __package__:
+    from . import board
+else:       # run by path (python -P): board.py, standard library only, is the file beside this one
+    _spec = importlib.util.spec_from_file_location("ulfmtrain_board", os.path.join(os.path.dirname(__file__),
+                                                                                   "board.py"))
+    assert _spec is not None and _spec.loader is not None
+    board = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(board)
 
 
 class Tether:
@@ -117,7 +117,7 @@ class Tether:
                 self.send_head("p")
                 next_ping = now + interval
             if now >= next_cpu:
-                self.send_head(f"u {cpu_ticks(self.child.pid)}")
+                self.send_head(f"u {board.cpu_ticks(self.child.pid)}")
                 next_cpu = now + CPU_REPORT_S
             for key, _ in sel.select(max(0.0, min(next_ping, next_cpu, last + self.keepalive) - now)):
                 if key.fileobj == pidfd:
