@@ -30,7 +30,7 @@ _HELP = (f"expected RANK@STEP[:PHASE][/KIND], PHASE one of "
          f"KIND one of {', '.join(KINDS).replace('exit', 'exit[=CODE]').replace('stop', 'stop[=SECONDS]')} "
          "(e.g. 1@300, 2@40:backward=0.25, 1@50:error=2, 1@7:update/raise, 0@9/exit=3 or 2@30/stop=5)")
 # Phases where another process fails (ready), nobody fails (error, disagree, newcomer), or the C fault path
-# SIGKILLs the rank (recovery): only the default kind there.
+# SIGKILLs the rank (recovery): only the default kind there (and, at recovery, stop for good: a SIGSTOP instead).
 _KILL_ONLY = ("error", "disagree", "ready", "newcomer", "recovery")
 # A checkpoint write that raises is reported and training goes on (a full disk is no rank failure); sys.exit in
 # the overlapped writer's thread would end that thread alone.
