@@ -73,15 +73,20 @@ def row(pid, state="work", mono=100.0, cpu=0, role="member", **kw):
 
 
 def test_an_observer_that_waits_evicts_a_process_that_stopped_running_and_only_that():
+    """Frozen: no heartbeat for the bound, and no CPU time for half of it, as the observer saw it turn by turn (a
+    stopped process ran between its last heartbeat and its stop: the CPU time of the heartbeat says nothing)."""
     me = row(1, "wait", mono=100.0)
-    frozen = row(2, mono=96.0, cpu=50, cpu_now=50)          # 4 s without a heartbeat, no CPU since: stopped
-    busy = row(3, mono=96.0, cpu=50, cpu_now=400)           # no heartbeat, but it ran: a long call holding the GIL
+    frozen = row(2, mono=96.0, cpu=40, cpu_now=50)          # 4 s without a heartbeat; it ran a little, then stopped
+    busy = row(3, mono=96.0, cpu=40, cpu_now=400)           # no heartbeat, but it runs: a long call holding the GIL
     fresh = row(4, mono=99.8)
-    elsewhere = row(5, mono=90.0, host="other")             # another host's process: not this observer's to kill
-    verdicts = boards.verdicts(me, [me, frozen, busy, fresh, elsewhere], now=100.0)
+    elsewhere = row(5, mono=90.0, host="other", cpu_now=7)  # another host's process: not this observer's to kill
+    rows = [me, frozen, busy, fresh, elsewhere]
+    assert boards.verdicts(me, rows, now=100.0) == []                       # its CPU clock starts now
+    busy["cpu_now"] = 450
+    verdicts = boards.verdicts(me, rows, now=102.0)                         # 2 s (>= bound / 2) without CPU
     assert [r["pid"] for r, _ in verdicts] == [2]
-    assert "has not run for 4.0 s" in verdicts[0][1] and "SIGKILLed" in verdicts[0][1]
-    assert boards.verdicts(row(1, "work"), [frozen], now=100.0) == []      # only a rank that waits judges
+    assert "has not run for 6.0 s" in verdicts[0][1] and "SIGKILLed" in verdicts[0][1]
+    assert boards.verdicts(row(1, "work"), rows, now=104.0) == []           # only a rank that waits judges
 
 
 def test_a_straggler_is_evicted_only_when_asked_and_persistently_slower():

@@ -29,7 +29,9 @@ from typing import Any
 
 Row = dict[str, Any]
 STEPS_MEASURED = 8       # a straggler's slowness must hold over this many steps of its own, at least
-RAN_TICKS = 3            # CPU a process used since its last heartbeat (clock ticks, 10 ms) that shows it ran
+# (pid, start) -> (its CPU time in clock ticks, when it last changed on this observer's clock): a process that
+# holds Python's lock in a long call runs without a heartbeat, one that is stopped does not run at all.
+_last_ran: dict[tuple[int, Any], tuple[int, float]] = {}
 
 
 def _stat(pid: int | str) -> list[str] | None:
@@ -171,18 +173,22 @@ def verdicts(me: Row, rows: list[Row], now: float) -> list[tuple[Row, str]]:
     """The processes `me` must evict, each with the line that says why; `now` is this host's monotonic clock.
 
     * frozen: while me waits in ulfmtrain, any process of the job on this host whose heartbeat is older than
-      me's bound and that has not run since (no CPU time: SIGSTOP, a frozen cgroup); one that holds Python's
-      lock in a long call (loading a library) runs, and is not frozen;
+      me's bound and that has used no CPU time for half of it (SIGSTOP, a frozen cgroup); one that holds
+      Python's lock in a long call (loading a library) runs, and is not frozen (every observer calls this at each
+      of its turns, waiting or not: it keeps the CPU clock of each process);
     * straggler (me["straggler"], a factor, and me a member): a member whose own work per step, over
       STEPS_MEASURED steps at least, is more than that factor times the median of the other members'.
     """
     out: list[tuple[Row, str]] = []
     bound, straggler = me["bound"], me.get("straggler")
     others = [r for r in rows if r["pid"] != me["pid"] and r["host"] == me["host"]]
+    still = {r["pid"]: _not_run_for(r, now) for r in others}       # every turn: the CPU clock of each
+    for key in set(_last_ran) - {(r["pid"], r["start"]) for r in others}:
+        del _last_ran[key]
     if me["state"] == "wait":
         for r in others:
             idle = now - r["mono"]
-            if idle > bound and _ran_since_beat(r) < RAN_TICKS:
+            if idle > bound and still[r["pid"]] >= bound / 2:
                 out.append((r, f"ulfmtrain: {_who(r)} has not run for {idle:.1f} s (frozen: SIGSTOP, a stuck "
                                f"host?) while {me['where']} waited for it; bound {bound:g} s: it is SIGKILLed so "
                                "that the others go on without it"))
@@ -200,11 +206,16 @@ def verdicts(me: Row, rows: list[Row], now: float) -> list[tuple[Row, str]]:
     return out
 
 
-def _ran_since_beat(row: Row) -> int:
-    """CPU ticks the row's process used since it wrote the row: its own (this host), or what its tether last
-    reported ("cpu_now", written by its agent under `launch --agent`)."""
-    now = row["cpu_now"] if "cpu_now" in row else cpu_ticks(row["pid"])
-    return now - row["cpu"]
+def _not_run_for(row: Row, now: float) -> float:
+    """How long the row's process has used no CPU time, as far as this observer has seen: its own CPU time (this
+    host), or what its tether last reported ("cpu_now", written by its agent under `launch --agent`)."""
+    cpu = row["cpu_now"] if "cpu_now" in row else cpu_ticks(row["pid"])
+    key = (row["pid"], row["start"])
+    seen = _last_ran.get(key)
+    if seen is None or seen[0] != cpu:
+        _last_ran[key] = (cpu, now)
+        return 0.0
+    return now - seen[1]
 
 
 def nobody_comes(me: Row, rows: list[Row]) -> bool:
