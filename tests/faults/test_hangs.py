@@ -130,8 +130,8 @@ def test_rank_0_stopped_for_good_is_evicted_and_stays_dead_when_it_resumes(digit
     has not run for the bound and SIGKILL it; they train on as after a SIGKILL (world [4, 3], exactly once).  A
     SIGCONT after that finds it dead: it never writes again.  Before, every peer ended with status 3 (the step
     watchdog) and rank 0 stayed stopped."""
-    job = Job(4, ["train", "--data", str(digits_dir), "--epochs", "6", *TRAIN], tmp_path / "out")
-    assert job.wait_for(lambda: job.steps(0) >= 30), job.err.read_text()[-3000:]
+    job = Job(4, ["train", "--data", str(digits_dir), "--epochs", "3", *TRAIN], tmp_path / "out")
+    assert job.wait_for(lambda: job.steps(0) >= 25), job.err.read_text()[-3000:]
     pid = select(job.logs()[0], "start")[0]["pid"]
     os.kill(pid, signal.SIGSTOP)
     t_stop = time.time()
@@ -142,7 +142,7 @@ def test_rank_0_stopped_for_good_is_evicted_and_stays_dead_when_it_resumes(digit
     rc, err = job.end()
     assert rc == 0, err[-3000:]
     logs = job.logs()
-    end = check_trained(logs, [1, 2, 3], [4, 3], 6)
+    end = check_trained(logs, [1, 2, 3], [4, 3], 3)
     (line,) = [x for x in err.splitlines() if EVICTED in x]
     assert "world rank 0 (pid" in line, line
     bound = bound_of(line)
@@ -181,7 +181,7 @@ def test_a_programs_own_evaluation_and_save_between_steps_are_not_hangs(tmp_path
     proc = script(3, "hang_loop.py", [str(tmp_path), "evaluate"], timeout=150)
     got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank?.json")}
     assert proc.returncode == 0 and sorted(got) == [0, 1, 2], proc.stderr[-3000:]
-    assert all(g["history"] == [3] for g in got.values()) and len({g["checksum"] for g in got.values()}) == 1, got
+    assert all(g["history"] == [3] and g["consistent"] for g in got.values()), got
     assert "ulfmtrain: error" not in proc.stderr and EVICTED not in proc.stderr, proc.stderr[-3000:]
 
 
@@ -209,7 +209,7 @@ def test_a_stuck_dataloader_is_a_failure_and_its_worker_ends_with_it(tmp_path):
     proc = script(3, "hang_loop.py", [str(tmp_path), "loader"], timeout=150)
     got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank?.json")}
     assert proc.returncode == 0 and sorted(got) == [0, 2], proc.stderr[-3000:]
-    assert all(g["history"] == [3, 2] for g in got.values()) and len({g["checksum"] for g in got.values()}) == 1
+    assert all(g["history"] == [3, 2] and g["consistent"] for g in got.values()), got
     (line,) = [x for x in proc.stderr.splitlines() if STUCK in x]
     assert "world rank 1" in line and "dataloader.py" in line, line
 

@@ -4,11 +4,12 @@ under mpirun --with-ft ulfm with a short bound ($ULFMTRAIN_STEP_TIMEOUT).
 argv: OUT MODE.  MODE:
   evaluate  at each epoch's end every rank evaluates its replica (busy, EVAL_S) and rank 1 saves it with
             torch.save; rank 0 evaluates 1.5 s more after epoch 0 (its peers then wait 1.5 s in the next step)
-            and two bounds more after epoch 1 (its peers wait that long for its own work): nothing is a hang.
+            and two bounds more after epoch 1 (its peers wait that long, in the final check, for its own
+            work): nothing is a hang.
   loader    the DataLoader has one worker; rank 1's worker blocks for good in its 20th batch (a stuck
             DataLoader): rank 1 leaves as a failed rank and the others train on.
   deadlock  every rank deadlocks in its 30th step (a bug that every rank meets): the job ends with status 3.
-Each rank that ends writes OUT/rank<N>.json: checksum, world history, steps, pid.
+Each rank that ends writes OUT/rank<N>.json: checksum, consistent (the final check), world history, steps, pid.
 """
 import json
 import os
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ulfmtrain
 
-EPOCHS, BATCH, EVAL_S = 3, 16, 1.0
+EPOCHS, BATCH, EVAL_S = 2, 16, 0.5
 out, mode = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
 comm = ulfmtrain.connect()
@@ -70,9 +71,12 @@ for epoch in sampler.epochs(0, EPOCHS):
         torch.nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
     if mode == "evaluate":
-        busy(EVAL_S + (comm.world_rank == 0) * (1.5 if epoch == 0 else 2 * bound if epoch == 1 else 0))
+        busy(EVAL_S + (comm.world_rank == 0) * (1.5 if epoch == 0 else 2 * bound))
         if comm.world_rank == 1:
             torch.save(model.state_dict(), os.path.join(out, "rank1-own-checkpoint.pt"))
+crc = opt.checksum()
+signed = crc - 2**32 if crc >= 2**31 else crc
+consistent = comm.agree(signed) == signed and comm.agree(~signed) == ~signed      # the final check: a collective
 with open(os.path.join(out, f"rank{comm.world_rank}.json"), "w") as f:
-    json.dump({"checksum": opt.checksum(), "history": comm.world_history, "steps": opt.step_count,
+    json.dump({"checksum": crc, "consistent": consistent, "history": comm.world_history, "steps": opt.step_count,
                "pid": os.getpid()}, f)
