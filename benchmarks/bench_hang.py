@@ -8,8 +8,8 @@ kill record (written right before it fails) to the survivors' commit of step K (
 the hang watch applied (its line).  Every configuration once per repeat, interleaved: they see the same load.
 
 Part 2, stragglers: `train` on 4 ranks where rank 3 is slowed from its start by a CPU quota (a cgroup: QUOTA % of
-one core), kept (the default) or evicted (--straggler F); and the same job with no slowed rank.  Measured: the
-wall time of training (rank 0's start to its end).
+one core, in 10 ms periods), kept (the default) or evicted (--straggler F); and the same job with no slowed rank.
+Measured: the wall time of training (rank 0's start to its end), and which rank was evicted.
 
 Usage: python benchmarks/bench_hang.py [--repeats 2] [--short 5] [--kinds kill stop hang] [--parts hang straggler]
 """
@@ -70,11 +70,15 @@ def hang_once(kind: str, bound: float | None, repeat: int, work: Path, data: Pat
 
 
 class Quota:
-    """A CPU cgroup that caps its processes at `percent` % of one core (cgroup v2 cpu.max, or v1's CFS quota)."""
+    """A CPU cgroup that caps its processes at `percent` % of one core (cgroup v2 cpu.max, or v1's CFS quota).
+
+    The period is 10 ms, not the default 100 ms: a rank's MPI wait polls the CPU, and with a long period it
+    spends its quota there and is throttled inside the collective, which slows every rank alike; a short one
+    throttles its own work in proportion, as a slower device or a noisy neighbour does."""
 
     def __init__(self, percent: float) -> None:
         self.dir: Path | None = None
-        period = 100_000
+        period = 10_000
         for base, files in ((Path("/sys/fs/cgroup"), {"cpu.max": f"{int(period * percent / 100)} {period}"}),
                             (Path("/sys/fs/cgroup/cpu"), {"cpu.cfs_period_us": str(period),
                                                           "cpu.cfs_quota_us": str(int(period * percent / 100))})):

@@ -28,7 +28,10 @@ import time
 from typing import Any
 
 Row = dict[str, Any]
-STEPS_MEASURED = 8       # a straggler's slowness must hold over this many steps of its own, at least
+STEPS_MEASURED = 16      # a straggler's slowness must hold over this many steps of its own (its median's window)
+# ... and cost at least this share of a step: removing it must shorten the job's steps by a third or more (a rank
+# 3x slower in 1 ms of work within a 45 ms step is scheduler noise on a loaded machine, not worth a rank).
+STRAGGLER_SHARE = 0.5
 # (pid, start) -> (its CPU time in clock ticks, when it last changed on this observer's clock): a process that
 # holds Python's lock in a long call runs without a heartbeat, one that is stopped does not run at all.
 _last_ran: dict[tuple[int, Any], tuple[int, float]] = {}
@@ -176,8 +179,9 @@ def verdicts(me: Row, rows: list[Row], now: float) -> list[tuple[Row, str]]:
       me's bound and that has used no CPU time for half of it (SIGSTOP, a frozen cgroup); one that holds
       Python's lock in a long call (loading a library) runs, and is not frozen (every observer calls this at each
       of its turns, waiting or not: it keeps the CPU clock of each process);
-    * straggler (me["straggler"], a factor, and me a member): a member whose own work per step, over
-      STEPS_MEASURED steps at least, is more than that factor times the median of the other members'.
+    * straggler (me["straggler"], a factor, and me a member): a member whose own work per step, the median of
+      its last STEPS_MEASURED steps, is more than that factor times the median of the other members', and more
+      than theirs by STRAGGLER_SHARE of a step (me's median time between two commits).
     """
     out: list[tuple[Row, str]] = []
     bound, straggler = me["bound"], me.get("straggler")
@@ -199,7 +203,7 @@ def verdicts(me: Row, rows: list[Row], now: float) -> list[tuple[Row, str]]:
             if not rest or r in (x for x, _ in out):
                 continue
             typical = statistics.median(rest)
-            if typical > 0 and r["work"] > straggler * typical:
+            if typical > 0 and r["work"] > straggler * typical and r["work"] - typical > STRAGGLER_SHARE * me["step"]:
                 out.append((r, f"ulfmtrain: {_who(r)} is a straggler: its own work per step takes {r['work']:.3g} s, "
                                f"{r['work'] / typical:.1f}x the median of its peers ({typical:.3g} s; straggler "
                                f"factor {straggler:g}): it is SIGKILLed so that the others go on without it"))

@@ -25,7 +25,8 @@ It writes both, with a heartbeat, on the job's board (board.py), and applies one
    out of its board's sight (the normal launch across hosts: `launch --agent` sees them all).
 
 Stragglers (off by default, $ULFMTRAIN_STRAGGLER or train --straggler F): a member whose own work per step
-(from its commit to its next contribution) is F times its peers' median is evicted the same way.
+(from its commit to its next contribution) is F times its peers' median, and longer than theirs by half a step,
+is evicted the same way.
 
 **The bound**: the larger of a floor (DEFAULT_FLOOR_S, or $ULFMTRAIN_STEP_TIMEOUT, or train --step-timeout; `off`
 disables the watch) and STEPS_PER_BOUND times the step time agreed in the commit agree (each rank offers its
@@ -258,6 +259,7 @@ class Watch:
         return {"pid": self.pid, "start": self.start, "host": self.host, "rank": rank, "role": role,
                 "mono": now, "cpu": boards.cpu_ticks(), "state": self.state, "for": now - self.since, "bound": b,
                 "work": statistics.median(steps.work) if steps.work else 0.0, "steps": len(steps.work),
+                "step": statistics.median(steps.intervals) if steps.intervals else 0.0,
                 "where": who, "size": getattr(w, "size", 0) if role == "member" else 0,
                 "straggler": straggler(), "bounded": in_bounded_wait(), "nobody": NOBODY_BOUNDS * b,
                 "spans_hosts": self.spans_hosts}
