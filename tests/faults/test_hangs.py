@@ -33,9 +33,16 @@ class Job:
 
     def __init__(self, ranks: int, argv: list[str], out: Path) -> None:
         self.out, self.err = out, out.parent / f"{out.name}.stderr"
-        with self.err.open("w") as err:
+        with self.err.open("w") as err:      # (its own session: a failed test ends mpirun and every rank)
             self.proc = subprocess.Popen(mpirun_command(ranks, [*argv, "--out", str(out)]), stdout=subprocess.DEVNULL,
-                                         stderr=err, cwd=ROOT)
+                                         stderr=err, cwd=ROOT, start_new_session=True)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:      # a test that failed half-way: nothing of the job is left (stopped or not)
+            _kill_session(self.proc)
 
     def logs(self) -> dict[int, list[dict]]:
         return read_rank_logs(self.out) if self.out.exists() else {}
@@ -55,20 +62,34 @@ class Job:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            _kill_session(self.proc)
             pytest.fail(f"the job did not end within {timeout} s:\n{self.err.read_text()[-3000:]}")
         return self.proc.returncode, self.err.read_text()
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL mpirun's session: mpirun, and every rank it started (a stopped one too)."""
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and os.getsid(int(p.name)) == proc.pid:
+                os.kill(int(p.name), signal.SIGKILL)
+        except OSError:
+            pass
+    proc.wait()
 
 
 def script(ranks: int, name: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """tests/scripts/NAME ARGS on `ranks` ranks, forks of the suite's fork server (a script's ranks started from
     scratch spend most of such a test importing torch), with the short bound."""
     cmd = mpirun_command(ranks, ["python", "-P", str(ROOT / "tests" / "scripts" / name), *args])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "ULFMTRAIN_STEP_TIMEOUT": str(BOUND)}, start_new_session=True)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**os.environ, "ULFMTRAIN_STEP_TIMEOUT": str(BOUND)})
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpirun did not finish within {timeout} s: {exc.stderr!r}"[-3000:])
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        pytest.fail(f"mpirun did not finish within {timeout} s: {proc.communicate()[1][-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def rank_process(out: Path, launch_rank: int, timeout: float = 60.0) -> int:
@@ -131,15 +152,16 @@ def test_rank_0_stopped_for_good_is_evicted_and_stays_dead_when_it_resumes(digit
     SIGCONT after that finds it dead: it never writes again.  Before, every peer ended with status 3 (the step
     watchdog) and rank 0 stayed stopped."""
     job = Job(4, ["train", "--data", str(digits_dir), "--epochs", "3", *TRAIN], tmp_path / "out")
-    assert job.wait_for(lambda: job.steps(0) >= 25), job.err.read_text()[-3000:]
-    pid = select(job.logs()[0], "start")[0]["pid"]
-    os.kill(pid, signal.SIGSTOP)
-    t_stop = time.time()
-    assert job.wait_for(lambda: EVICTED in job.err.read_text(), 60), job.err.read_text()[-3000:]
-    os.kill(pid, signal.SIGCONT) if not gone(pid) else None
-    time.sleep(0.5)
-    assert gone(pid), "rank 0 runs again after it was declared hung"
-    rc, err = job.end()
+    with job:
+        assert job.wait_for(lambda: job.steps(0) >= 25), job.err.read_text()[-3000:]
+        pid = select(job.logs()[0], "start")[0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        t_stop = time.time()
+        assert job.wait_for(lambda: EVICTED in job.err.read_text(), 60), job.err.read_text()[-3000:]
+        os.kill(pid, signal.SIGCONT) if not gone(pid) else None
+        time.sleep(0.5)
+        assert gone(pid), "rank 0 runs again after it was declared hung"
+        rc, err = job.end()
     assert rc == 0, err[-3000:]
     logs = job.logs()
     end = check_trained(logs, [1, 2, 3], [4, 3], 3)
@@ -161,10 +183,11 @@ def test_a_frozen_spare_is_dropped_and_the_other_spare_takes_the_dead_slot(digit
     shrinks, one replica, exactly once).  Before, the survivors spun in the repair of the world for good."""
     job = Job(5, ["train", "--data", str(digits_dir), "--epochs", "4", "--spares", "2", "--kill", "1@70", *TRAIN],
               tmp_path / "out")
-    spare = rank_process(job.out, 3)
-    assert job.wait_for(lambda: job.steps(0) >= 10), job.err.read_text()[-3000:]
-    os.kill(spare, signal.SIGSTOP)
-    rc, err = job.end()
+    with job:
+        spare = rank_process(job.out, 3)
+        assert job.wait_for(lambda: job.steps(0) >= 10), job.err.read_text()[-3000:]
+        os.kill(spare, signal.SIGSTOP)
+        rc, err = job.end()
     assert rc == 0, err[-3000:]
     check_trained(job.logs(), [0, 1, 2], [3, 3], 4)
     (line,) = [x for x in err.splitlines() if EVICTED in x]
@@ -244,10 +267,11 @@ def test_a_frozen_spare_never_needed_is_dropped_and_the_job_ends_0(digits_dir, t
     """A waiting spare SIGSTOPped, and no rank dies: training completes, the spare is dropped (not waited for at
     the end), and the job ends with status 0.  Before, it ended with status 3 from the watchdog at the end."""
     job = Job(4, ["train", "--data", str(digits_dir), "--epochs", "3", "--spares", "1", *TRAIN], tmp_path / "out")
-    spare = rank_process(job.out, 3)
-    assert job.wait_for(lambda: job.steps(0) >= 10), job.err.read_text()[-3000:]
-    os.kill(spare, signal.SIGSTOP)
-    rc, err = job.end()
+    with job:
+        spare = rank_process(job.out, 3)
+        assert job.wait_for(lambda: job.steps(0) >= 10), job.err.read_text()[-3000:]
+        os.kill(spare, signal.SIGSTOP)
+        rc, err = job.end()
     assert rc == 0, err[-3000:]
     check_trained(job.logs(), [0, 1, 2], [3], 3)
     assert gone(spare) and "a waiting spare" in err, err[-3000:]
