@@ -9,6 +9,7 @@ argv: OUT MODE.  MODE:
   loader    the DataLoader has one worker; rank 1's worker blocks for good in its 20th batch (a stuck
             DataLoader): rank 1 leaves as a failed rank and the others train on.
   deadlock  every rank deadlocks in its 30th step (a bug that every rank meets): the job ends with status 3.
+  deadlock-one  slot 1 deadlocks in its 30th step (launch it with ULFMTRAIN_SPARES=1: a spare takes the slot).
 Each rank that ends writes OUT/rank<N>.json: checksum, consistent (the final check), world history, steps, pid.
 """
 import json
@@ -64,9 +65,10 @@ lock = threading.Lock()
 bound = float(os.environ["ULFMTRAIN_STEP_TIMEOUT"])   # the floor: steps here are far shorter
 for epoch in sampler.epochs(0, EPOCHS):
     for xb, yb in loader:
-        if mode == "deadlock" and opt.step_count == 30:
+        if opt.step_count == 30 and (mode == "deadlock" or mode == "deadlock-one" and comm.world_rank == 1
+                                     and getattr(comm, "takeover", None) is None):   # (not the spare that takes it)
             lock.acquire()
-            lock.acquire()                  # every rank: a deadlock in the program's own code
+            lock.acquire()                  # a deadlock in the program's own code
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
