@@ -172,6 +172,8 @@ class Watch:
         nobody comes, end (its tether then ends the rank) with status 3."""
         if self.row is None or time.monotonic() - self.row["mono"] > 1.0:
             return
+        if self.row["state"] != "wait" and not self.row.get("straggler"):
+            return                    # a rank that works reads nobody's rows
         line = board.judge(self.board, self.row)
         if line is not None:
             print(line, file=sys.stderr, flush=True)

@@ -177,8 +177,9 @@ def verdicts(me: Row, rows: list[Row], now: float) -> list[tuple[Row, str]]:
 
     * frozen: while me waits in ulfmtrain, any process of the job on this host whose heartbeat is older than
       me's bound and that has used no CPU time for half of it (SIGSTOP, a frozen cgroup); one that holds
-      Python's lock in a long call (loading a library) runs, and is not frozen (every observer calls this at each
-      of its turns, waiting or not: it keeps the CPU clock of each process);
+      Python's lock in a long call (loading a library) runs, and is not frozen (each call keeps the CPU clock of
+      each process: an observer that starts waiting judges a process half a bound after it first saw it, or at
+      once if that process has not run since it last looked);
     * straggler (me["straggler"], a factor, and me a member): a member whose own work per step, the median of
       its last STEPS_MEASURED steps, is more than that factor times the median of the other members', and more
       than theirs by STRAGGLER_SHARE of a step (me's median time between two commits).

@@ -292,9 +292,10 @@ class Watch:
         if self.board.evicted(self.pid):     # declared hung, and it ran again before the SIGKILL came
             die_told(f"ulfmtrain: error: {row['where']} runs again after it was declared hung: it ends")
         self.board.write(row)
-        line = boards.judge(self.board, row)
-        if line is not None:
-            self._on_nobody(line)
+        if row["state"] == "wait" or row["straggler"]:    # (a rank that works reads nobody's rows)
+            line = boards.judge(self.board, row)
+            if line is not None:
+                self._on_nobody(line)
 
     def run(self) -> None:
         while not self.done.wait(_interval(bound(self._comm()))):
