@@ -29,6 +29,7 @@ SCRIPTS = {
     "gpu": "bench_gpu.py",          # says so and measures nothing where there is no GPU
     "spawn_link": "bench_spawn_link.py",
     "startup": "bench_startup.py",
+    "hang": "bench_hang.py",        # hang -> next commit at the default bound (60 s a run) and a short one
     "peers": "bench_peers.py",      # DDP+torchrun and torchft (its own virtualenv, made once) beside ulfmtrain
     "scale": "bench_scale.py",      # the fault path from 2 to 64 ranks (the C path; its long run: README)
 }
@@ -45,6 +46,8 @@ QUICK_ARGS = {
     "gpu": ["--ranks", "2", "--batch", "16", "--steps", "2", "--rounds", "2"],
     "spawn_link": ["--sizes", "4096", "--reps", "5", "--rounds", "1"],
     "startup": ["--ranks", "2", "--spawns", "1", "--rounds", "1"],
+    "hang": ["--repeats", "1", "--no-default", "--short", "3", "--kinds", "kill", "stop", "--epochs", "2",
+             "--kill-step", "20", "--parts", "hang"],
     "peers": ["--repeats", "1", "--epochs", "3", "--kill-step", "12", "--ckpt-every", "8", "--phases", "between",
               "--configs", "ddp+torchrun", "ulfmtrain shrink", "--no-torchft",
               "--no-failure-free"],
@@ -84,6 +87,11 @@ def headline(results: Path, name: str) -> str:
         return (f"Open MPI's default BTLs / the launcher's: MPI_Init {h['init_s_default_over_launcher']:.1f}x, "
                 f"MPI_Comm_spawn {h['spawn_s_default_over_launcher']:.1f}x, "
                 f"whole job {h['job_s_default_over_launcher']:.1f}x")
+    if name == "hang":
+        return "failure -> next committed step, s: " + ", ".join(
+            f"{k} {v:.3g}" for k, v in h["next_commit_s"].items()) + (
+            f"; a straggler evicted / kept: {h['straggler_evicted_over_kept']:.2f}x the training time"
+            if "straggler_evicted_over_kept" in h else "")
     if name == "scale":
         return "kill -> step committed / respawn join, ms (slowest rank): " + ", ".join(
             f"{k} {v['kill_to_commit_ms']:.1f} / {v['join_ms']:.1f}" for k, v in h.items())

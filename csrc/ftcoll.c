@@ -15,9 +15,14 @@
 #define FTC_MAX_SHRINK_TRIES 64
 
 static int ftc_killpoint = FTC_KILL_NONE;
+static int ftc_killsignal = SIGKILL;
 static MPI_Count ftc_max_chunk = INT_MAX;   /* MPI_Allreduce takes an int count */
 
-void ftc_set_killpoint(int point) { ftc_killpoint = point; }
+void ftc_set_killpoint(int point, int sig)
+{
+    ftc_killpoint = point;
+    ftc_killsignal = sig;
+}
 
 void ftc_set_max_chunk(MPI_Count elements)
 {
@@ -28,7 +33,7 @@ static void maybe_kill(int point)
 {
     if (ftc_killpoint == point) {
         ftc_killpoint = FTC_KILL_NONE;
-        kill(getpid(), SIGKILL);
+        kill(getpid(), ftc_killsignal);    /* SIGSTOP: a rank frozen inside the repair */
     }
 }
 

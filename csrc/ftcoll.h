@@ -75,7 +75,8 @@ int ftc_repair(MPI_Comm *comm, ftc_report *report);
 /* Largest piece of one reduction in elements (tests set it small). */
 void ftc_set_max_chunk(MPI_Count elements);
 
-/* Arm a kill inside the next repair of this process (tests only). */
-void ftc_set_killpoint(int point);
+/* Arm a signal (SIGKILL; SIGSTOP freezes the process) inside the next repair
+ * of this process (tests only). */
+void ftc_set_killpoint(int point, int sig);
 
 #endif /* ULFMTRAIN_FTCOLL_H */

@@ -158,6 +158,20 @@ def test_bench_startup(tmp_path: Path) -> None:
     assert data["headline"]["spawn_s_default_over_launcher"] == ratio
 
 
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_bench_hang(tmp_path: Path) -> None:
+    """Two jobs at the short bound: a SIGKILL and a SIGSTOP of rank 2; the stop is removed after the bound."""
+    data = run_quick("hang", tmp_path, 290)
+    hang = data["by_n"]["4"]["hang"]
+    assert set(hang) == {"kill", "stop bound 3 s"}, hang
+    # (A heartbeat comes every quarter of a second: the last one before the stop may be that much older.)
+    assert hang["kill"]["next_commit_s"]["median"] < 2.5 <= hang["stop bound 3 s"]["next_commit_s"]["median"]
+    (run,) = [r for r in data["runs"]["hang"] if r["kind"] == "stop"]
+    assert run["bound_used_s"] >= 3.0 and len(run["lines"]) == 1 and "world rank 2" in run["lines"][0], run
+    assert data["headline"]["next_commit_s"] == {k: v["next_commit_s"]["median"] for k, v in hang.items()}
+
+
 @pytest.mark.timeout(240)
 def test_bench_peers_ddp_and_ulfmtrain_one_kill(tmp_path: Path) -> None:
     # torchft is left out (--no-torchft): its virtualenv is a ~5-minute install from the package registry that

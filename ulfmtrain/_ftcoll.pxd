@@ -25,7 +25,7 @@ cdef extern from "ftcoll.h" nogil:
     int ftc_agree(MPI_Comm comm, int *flag)
     int ftc_repair(MPI_Comm *comm, ftc_report *report)
     void ftc_set_max_chunk(MPI_Count elements)
-    void ftc_set_killpoint(int point)
+    void ftc_set_killpoint(int point, int sig)
 
 cdef extern from "lifecycle.h" nogil:
     enum:

@@ -8,6 +8,7 @@ from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_Comm, MPI_Count, MPI_Datatype
 
 from mpi4py import MPI as _MPI
+import signal as _signal
 
 OK = FTC_OK
 FAILED = FTC_FAILED
@@ -22,8 +23,23 @@ class FaultPathError(RuntimeError):
     """An MPI error that is not a process failure."""
 
 
+# Calls of the fault path that returned: the hang watch (transport/hangs.py) tells a rank that waits for a
+# peer from one whose collectives keep completing.
+cdef unsigned long long _returned = 0
+
+
+def progress():
+    """How many calls of the fault path (reductions, broadcasts, agrees, repairs) have returned so far."""
+    return _returned
+
+
 cdef MPI_Datatype _datatype(Py_buffer *b) except *:
     return (<MPI.Datatype>MPI.Datatype.fromcode(b.format.decode())).ob_mpi
+
+
+cdef inline void _count_return() noexcept:
+    global _returned
+    _returned += 1
 
 
 def allreduce_try(MPI.Comm comm, sendbuf, recvbuf, MPI.Op op):
@@ -45,6 +61,7 @@ def allreduce_try(MPI.Comm comm, sendbuf, recvbuf, MPI.Op op):
             count = <MPI_Count>(sb.len // sb.itemsize)
             with nogil:
                 status = ftc_allreduce_try(sb.buf, rb.buf, count, dtype, op.ob_mpi, handle)
+            _count_return()
         finally:
             PyBuffer_Release(&rb)
     finally:
@@ -74,6 +91,7 @@ cdef int _transfer(int kind, MPI.Comm comm, buf, int peer, int tag) except -1:
                 status = ftc_send_try(b.buf, count, dtype, peer, tag, handle)
             else:
                 status = ftc_recv_try(b.buf, count, dtype, peer, tag, handle)
+        _count_return()
     finally:
         PyBuffer_Release(&b)
     return status
@@ -112,6 +130,7 @@ def agree(MPI.Comm comm, int flag):
     cdef int status
     with nogil:
         status = ftc_agree(handle, &flag)
+    _count_return()
     return flag, status
 
 
@@ -123,6 +142,7 @@ def repair(MPI.Comm comm):
     memset(&r, 0, sizeof(r))
     with nogil:
         status = ftc_repair(&handle, &r)
+    _count_return()
     if status != FTC_OK:
         raise FaultPathError(_MPI.Get_error_string(r.mpi_error))
     cdef MPI.Intracomm fresh = MPI.Intracomm()
@@ -136,9 +156,9 @@ def set_max_chunk(Py_ssize_t elements):
     ftc_set_max_chunk(<MPI_Count>elements)
 
 
-def set_killpoint(int point):
-    """Arm a SIGKILL inside this process's next repair (fault injection)."""
-    ftc_set_killpoint(point)
+def set_killpoint(int point, int sig=_signal.SIGKILL):
+    """Arm a signal (SIGKILL, or SIGSTOP to freeze) inside this process's next repair (fault injection)."""
+    ftc_set_killpoint(point, sig)
 
 
 def init_bounded(double timeout):

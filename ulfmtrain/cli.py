@@ -79,7 +79,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         + ", ".join(choices(Phase)).replace("backward", "backward[=FRAC]")
                         + " (checkpoint: rank 0 only, half-way through writing that step's checkpoint); KIND: "
                         "kill (SIGKILL, the default), raise (an uncaught exception), exit[=CODE] (sys.exit), "
-                        "term (SIGTERM), int (SIGINT)")
+                        "term (SIGTERM), int (SIGINT), stop[=S] (SIGSTOP; SIGCONT S seconds later), hang (a "
+                        "deadlock)")
     p.add_argument("--out", default="ulfmtrain-out", help="directory for rank<N>.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0 (logs and CI)")
     p.add_argument("--spares", type=int, default=0, metavar="K",
@@ -91,9 +92,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         "the spares)")
     p.add_argument("--finalize-timeout", type=float, default=5.0,
                    help="seconds MPI_Finalize may take before the rank exits anyway")
-    p.add_argument("--step-timeout", type=float, default=600.0, metavar="S",
-                   help="a rank that commits no step for S seconds ends the job with one line and status 3 "
-                        "(a peer hung, or died unreported), rather than wait for good")
+    p.add_argument("--step-timeout", type=float, default=None, metavar="S",
+                   help="the least time without progress after which a rank is hung and evicted like a killed "
+                        "one (SIGSTOP, a deadlock, a stuck DataLoader); the bound is the larger of S and 10 "
+                        "agreed steps (default S: $ULFMTRAIN_STEP_TIMEOUT, else 60)")
+    p.add_argument("--straggler", type=float, default=None, metavar="F",
+                   help="evict a rank whose own work per step takes F times its peers' median, with one line "
+                        "(default: $ULFMTRAIN_STRAGGLER, else off)")
     g = p.add_argument_group("recovery mode and checkpoints (see docs/recovery-modes.md)")
     g.add_argument("--recovery", choices=choices(Recovery), default=Recovery.SHRINK.value,
                    help="shrink: survivors train on (ULFM, default); restart: a failure ends the job and "

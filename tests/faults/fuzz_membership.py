@@ -9,7 +9,12 @@ and where the world never shrank (spares covered every death) it ends on
 the failure-free checksum.  A death inside MPI_Intercomm_merge is not survivable in place on Open MPI 5.0.x
 (docs/recovery-modes.md): there the job must end, bounded, saying so.
 
-    python -P tests/faults/fuzz_membership.py --seeds 0-299 [--out DIR] [--keep]
+With --hangs every run has a short hang bound (--step-timeout HANG_BOUND_S) and at least one failure of a hang
+kind (HANG_KINDS: SIGSTOP for good, SIGSTOP then SIGCONT, a deadlock in the step), the others of any kind; a
+run is right when, besides the above, every hung rank was removed within the bound (the survivors' next repair
+at most HANG_SLACK_S past it) and the hang watch removed no rank that was not hung.
+
+    python -P tests/faults/fuzz_membership.py --seeds 0-299 [--hangs] [--out DIR] [--keep]
     python -P tests/faults/fuzz_membership.py --summary DIR/results.jsonl
 
 prints one line per seed, then the runs by failure kind x program point and every run that was not ok with the
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +49,9 @@ EPOCHS, CKPT_EVERY, RESUME_STEP = 2, 5, 8
 # both on 3 slots (one failure-free run); and 323, respawn whose newcomers fail before they are ready, one of them
 # still starting when training ends (the revoke toward it hung the spawning rank at its end).
 DEFAULT_SEEDS = [6, 7, 323]
+# With --hangs: 7, spares (3 slots, 2 spares) where slot 0 is SIGSTOPped for good in its update and slot 2 is
+# SIGKILLed: the spares take both slots and the run ends on the failure-free checksum.
+HANG_SEEDS = [7]
 TRAIN = ["--model", "cnn-bn", "--bucket-bytes", "20000", "--audit", "--no-progress"]
 # Failure kinds, as the kill spec's /KIND suffix says them (faults.py): one more kind is one more line.
 KINDS = (
@@ -53,6 +62,11 @@ KINDS = (
     "term",         # SIGTERM
     "int",          # SIGINT (KeyboardInterrupt)
 )
+# With --hangs: SIGSTOP for good, SIGSTOP then SIGCONT before (stop=2) or after (stop=8) the bound, a deadlock.
+HANG_KINDS = ("stop", "stop=2", "stop=8", "hang")
+HANG_BOUND_S = 4.0     # --step-timeout of a --hangs run (10 agreed steps where those are longer)
+HANG_SLACK_S = 15.0    # a hung rank's removal may come this much after the bound on a loaded 2-core box
+EVICTED, STUCK = "SIGKILLed so that the others go on", "leaves as a failed rank"   # the hang watch's lines
 KILL_ONLY = ("ready", "newcomer", "recovery", "merge")   # another process or the C path fails: SIGKILL only
 SIGNAL_ONLY = ("checkpoint",)        # a checkpoint write that raises is reported, not a rank failure
 STEP_PHASES = ("forward", "backward", "allreduce", "commit", "update")
@@ -78,6 +92,7 @@ class Case:
     ckpt: bool = False
     epochs: int = EPOCHS
     points: list[str] = field(default_factory=list)     # what the schedule was drawn as (kind:point per kill)
+    hang_bound: float | None = None                     # --step-timeout (the hang kinds' runs)
 
     @property
     def mode(self) -> str:
@@ -89,8 +104,17 @@ def spec(rank: int, step: int, phase: str, kind: str) -> str:
     return f"{rank}@{step}:{phase}" + ("" if kind == "kill" else f"/{kind}")
 
 
-def draw(seed: int) -> Case:
-    """A schedule from a seed."""
+def _kind_ok(kind: str, point: str) -> bool:
+    """Whether a failure of `kind` can be scheduled at `point` (faults.parse_kill's rules)."""
+    if kind == "stop" and point == "recovery":
+        return True          # frozen for good inside the repair: the C fault path raises SIGSTOP there
+    return (point not in KILL_ONLY or kind == "kill") and (point not in SIGNAL_ONLY
+                                                           or kind.split("=")[0] not in ("raise", "exit"))
+
+
+def draw(seed: int, hangs: bool = False) -> Case:
+    """A schedule from a seed (hangs: one failure at least of a hang kind, and the short hang bound; the draws
+    without it are those of the runs before the hang kinds existed)."""
     rng = random.Random(seed)
     mode = rng.choice(("shrink", "spares", "respawn"))
     slots = rng.choice((3, 4))
@@ -103,8 +127,11 @@ def draw(seed: int) -> Case:
         point = rng.choice([p for p, modes in POINTS.items() if mode in modes])
         if point == "merge" and rng.random() < 0.7:   # not survivable in place: drawn less often
             point = rng.choice(STEP_PHASES)
-        kind = rng.choice([k for k in KINDS if (point not in KILL_ONLY or k == "kill")
-                           and (point not in SIGNAL_ONLY or k.split("=")[0] not in ("raise", "exit"))])
+        kinds = KINDS + HANG_KINDS if hangs else KINDS
+        if hangs and not any(p.split(":")[0] in HANG_KINDS for p in case.points) and any(
+                _kind_ok(k, point) for k in HANG_KINDS):
+            kinds = HANG_KINDS        # the first failure that can hang does
+        kind = rng.choice([k for k in kinds if _kind_ok(k, point)])
         if point == "restore":
             case.resume = True
             case.kills.append(spec(rank, 0, "init", kind))
@@ -130,6 +157,8 @@ def draw(seed: int) -> Case:
         case.kills, case.points = case.kills[:-1], case.points[:-1]
     if case.resume:
         case.respawn, case.ckpt = False, True
+    if hangs:
+        case.hang_bound = HANG_BOUND_S
     return case
 
 
@@ -138,7 +167,7 @@ RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
 
 
 def _run(argv: list[str], ranks: int, out: Path, bound: float) -> tuple[int | None, str, float]:
-    """mpirun ARGV on `ranks` ranks; (status or None on a hang, its output's tail, seconds)."""
+    """mpirun ARGV on `ranks` ranks; (status or None on a hang, its output, seconds)."""
     status, tail, secs = _run_once(argv, ranks, out, bound)
     if RUNTIME_START_FAILURE in tail and not out.exists():
         print(f"(Open MPI's runtime did not start: {RUNTIME_START_FAILURE}; launching once more)", flush=True)
@@ -153,12 +182,12 @@ def _run_once(argv: list[str], ranks: int, out: Path, bound: float) -> tuple[int
                             start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=bound)
-        return proc.returncode, text[-6000:], time.monotonic() - t0
+        return proc.returncode, text, time.monotonic() - t0
     except subprocess.TimeoutExpired:
         _dump_stacks(proc.pid, out.parent / "hang_stacks.txt")
         os.killpg(proc.pid, signal.SIGKILL)        # mpirun, its daemons and every rank it started
         text, _ = proc.communicate()
-        return None, text[-6000:], time.monotonic() - t0
+        return None, text, time.monotonic() - t0
 
 
 def _dump_stacks(sid: int, path: Path) -> None:
@@ -200,6 +229,8 @@ def train_argv(digits_dir: Path, case: Case, ckpt: Path | None) -> list[str]:
         argv.append("--resume")
     for k in case.kills:
         argv += ["--kill", k]
+    if case.hang_bound is not None:
+        argv += ["--step-timeout", str(case.hang_bound)]
     return argv
 
 
@@ -270,7 +301,8 @@ def run_case(case: Case, digits_dir: Path, out: Path, free: FailureFree | None =
     elif case.ckpt:
         ckpt = out / "ckpt"
     run_dir = out / "run"
-    status, tail, secs = _run(train_argv(digits_dir, case, ckpt), case.slots + case.spares, run_dir, BOUND_S)
+    status, text, secs = _run(train_argv(digits_dir, case, ckpt), case.slots + case.spares, run_dir, BOUND_S)
+    tail = text[-6000:]
     logs = read_rank_logs(run_dir) if run_dir.exists() else {}
     v = Verdict(case, secs, status, [], "ok", tail, logs)
     v.fired = [f"{x.get('kind', 'kill')}:{x['phase']}" for recs in logs.values() for x in recs
@@ -318,9 +350,34 @@ def run_case(case: Case, digits_dir: Path, out: Path, free: FailureFree | None =
         if v.end["checksum"] != free.checksum(case.slots):
             v.problems.append(f"the world never shrank but the run ends on checksum {v.end['checksum']}, "
                               f"not the failure-free {free.checksum(case.slots)}")
+    _judge_hangs(v, text)
     if v.problems:
         v.outcome = "failed"
     return v
+
+
+def _judge_hangs(v: Verdict, text: str) -> None:
+    """The hang watch removed every rank hung for good within the bound, and no rank that did not hang (a --hangs
+    run; a rank stopped for a while may be removed or not, as the bound and its SIGCONT fall)."""
+    if v.case.hang_bound is None:
+        return
+    # (kill_armed: the recovery phase, where the C fault path stops the rank inside its next repair; when, the
+    # log cannot say, so such a rank is not timed)
+    kills = [(r, x) for r, recs in v.logs.items() for x in recs if x["event"] in ("kill", "kill_armed")]
+    hung = {r: x for r, x in kills if x["event"] == "kill" and (x.get("kind") == "hang" or x["spec"].endswith("/stop"))}
+    may = {r for r, x in kills if x["spec"].rsplit("/", 1)[-1].split("=")[0] in ("hang", "stop")}
+    lines = [x for x in text.splitlines() if EVICTED in x or STUCK in x]
+    removed = {int(m[1]) for x in lines if (m := re.search(r"world rank (\d+)", x))}
+    if removed - may:
+        v.problems.append(f"the hang watch removed ranks that did not hang: {sorted(removed - may)}: {lines}")
+    bound = max([float(x.split("bound ")[1].split(" s")[0]) for x in lines if "bound " in x] or [v.case.hang_bound])
+    repairs = sorted(x["wall_error"] + x["commit_agree_ms"] / 1e3 for recs in v.logs.values() for x in recs
+                     if x["event"] == "recovery")
+    for r, kill in hung.items():
+        after = [t for t in repairs if t >= kill["t"] - 0.5]
+        if v.outcome == "ok" and (not after or after[0] - kill["t"] > bound + HANG_SLACK_S):
+            v.problems.append(f"rank {r} hung ({kill['spec']}) at {kill['t']:.1f}: no repair within the bound "
+                              f"{bound:g} s + {HANG_SLACK_S:g} s (next: {after[:1]})")
 
 
 def _seeds(text: str) -> list[int]:
@@ -350,7 +407,7 @@ def summary(results: list[dict]) -> str:
             c = cell.setdefault((point, kind), [0, 0])
             c[0] += r["outcome"] in GOOD
             c[1] += 1
-    kinds = [k for k in KINDS if any(kk == k for _, kk in cell)]
+    kinds = [k for k in KINDS + HANG_KINDS if any(kk == k for _, kk in cell)]
     lines.append(f"{'point / kind (ok/runs)':24}" + "".join(f"{k:>9}" for k in kinds))
     for point in POINTS:
         if any(pp == point for pp, _ in cell):
@@ -362,7 +419,8 @@ def summary(results: list[dict]) -> str:
         if r["outcome"] not in GOOD:
             lines.append(f"NOT OK seed {r['seed']} ({r['outcome']}, status {r['status']}, kills "
                          f"{' '.join(r['kills'])}): {'; '.join(p[:300] for p in r['problems'])}\n"
-                         f"  reproduce: python -P tests/faults/fuzz_membership.py --seeds {r['seed']} --keep")
+                         f"  reproduce: python -P tests/faults/fuzz_membership.py --seeds {r['seed']} --keep"
+                         + (" --hangs" if r.get("hangs") else ""))
     return "\n".join(lines)
 
 
@@ -377,6 +435,9 @@ def main() -> int:
     p.add_argument("--out", default=None, help="where runs and results.jsonl go (default: a temporary dir)")
     p.add_argument("--keep", action="store_true", help="keep the run directories of passing seeds too")
     p.add_argument("--bound", type=float, default=BOUND_S, help="seconds before a run counts as a hang")
+    p.add_argument("--hangs", action="store_true",
+                   help=f"every run has a failure of a hang kind ({', '.join(HANG_KINDS)}) and --step-timeout "
+                        f"{HANG_BOUND_S:g}")
     p.add_argument("--summary", metavar="RESULTS", default=None,
                    help="only print the counts of a results.jsonl (e.g. of a run stopped part-way)")
     ns = p.parse_args()
@@ -386,10 +447,11 @@ def main() -> int:
         return 0 if all(r["outcome"] in GOOD for r in results) else 1
     BOUND_S = ns.bound
     with warm_server():
-        return fuzz(_seeds(ns.seeds), Path(ns.out or tempfile.mkdtemp(prefix="fuzz-membership-")), ns.keep)
+        return fuzz(_seeds(ns.seeds), Path(ns.out or tempfile.mkdtemp(prefix="fuzz-membership-")), ns.keep,
+                    ns.hangs)
 
 
-def fuzz(seeds: list[int], work: Path, keep: bool) -> int:
+def fuzz(seeds: list[int], work: Path, keep: bool, hangs: bool = False) -> int:
     """Run each seed's schedule under `work`; print a line each, then the summary; 0 when every run was right."""
     work.mkdir(parents=True, exist_ok=True)
     from ulfmtrain.data.sources import digits_to_dataset
@@ -401,10 +463,10 @@ def fuzz(seeds: list[int], work: Path, keep: bool) -> int:
     results: list[dict] = []
     with open(work / "results.jsonl", "a") as res:
         for seed in seeds:
-            case = draw(seed)
+            case = draw(seed, hangs)
             v = run_case(case, digits, work / f"seed{seed}", free)
             print(f"seed {seed}: {v.report()}", flush=True)
-            results.append({"seed": seed, **asdict(case), "outcome": v.outcome, "status": v.status,
+            results.append({"seed": seed, "hangs": hangs, **asdict(case), "outcome": v.outcome, "status": v.status,
                             "fired": v.fired, "seconds": round(v.seconds, 1), "problems": v.problems})
             res.write(json.dumps(results[-1]) + "\n")
             res.flush()

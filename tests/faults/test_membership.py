@@ -98,6 +98,26 @@ def test_fuzz_seed(digits_dir, tmp_path, free, seed):
     assert not v.problems, v.report()
 
 
+@pytest.mark.timeout(4 * BOUND_S)
+@pytest.mark.parametrize("seed", fuzz.HANG_SEEDS)
+def test_fuzz_hang_seed(digits_dir, tmp_path, free, seed):
+    """A seed of the fuzzer's --hangs in the default suite: a stopped slot removed within the bound (the fuzzer's
+    own judgement) and, where spares covered every failure, the failure-free checksum."""
+    case = fuzz.draw(seed, hangs=True)
+    v = fuzz.run_case(case, digits_dir, tmp_path, free)
+    assert not v.problems, v.report()
+    assert any(p.startswith(("stop", "hang")) for p in v.fired), v.fired      # a hang fired and was judged
+
+
+@pytest.mark.long
+@pytest.mark.timeout(0)
+def test_fuzz_many_hang_seeds(digits_dir, tmp_path, free):
+    """`make test-long`: 40 seeds of --hangs."""
+    bad = [v.report() for seed in range(40)
+           if (v := fuzz.run_case(fuzz.draw(seed, hangs=True), digits_dir, tmp_path / str(seed), free)).problems]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.long
 @pytest.mark.timeout(0)
 def test_fuzz_many_seeds(digits_dir, tmp_path, free):

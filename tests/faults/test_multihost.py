@@ -806,3 +806,32 @@ def test_torchrun_variables_on_two_hosts(two_hosts, tmp_path, how):
     assert sorted(env[r]["LOCAL_RANK"] for r in (0, 1)) == sorted(env[r]["LOCAL_RANK"] for r in (2, 3)) == ["0", "1"]
     assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env.values()} == {(a, env[0]["MASTER_PORT"])}
     assert len({x["checksum"] for x in res.values()}) == 1
+
+
+def test_agent_launch_evicts_a_hung_rank_on_another_host(two_hosts, digits_dir, tmp_path):
+    """Rank 2, on host b, SIGSTOPped (its host and its tether run on): its agent on the head stops hearing from
+    its hang watch while a's ranks wait for it, so the agents judge it hung after the bound and its agent dies by
+    SIGKILL (the process Open MPI knows for it); the survivors repair and finish, and the tether, its link to the
+    head closed, SIGKILLs the stopped rank.  Before, the peers' step watchdog ended them with status 3."""
+    hosts, agent, hostfile = two_hosts
+    a, b = list(hosts)
+    out = tmp_path / "out"
+    bound = 3.0
+    proc = start_agent_job(hosts, agent, hostfile, a, 4, out, ["--epochs", "6", "--step-timeout", str(bound)],
+                           digits_dir)
+    assert wait_for(lambda: steps_of(out, 0) >= 30, proc, 100), "training never reached step 30"
+    pid = next(x for x in read_rank_logs(out)[2] if x["event"] == "start")["pid"]
+    assert str(pid) in signal_host(hosts[b], "0")           # the rank's own process, on host b
+    t_stop = time.time()
+    os.kill(pid, 19)                                        # SIGSTOP
+    diag = finished(proc, tmp_path)
+    logs = read_rank_logs(out)
+    check_survivors(logs, [0, 1, 3], [4, 3])
+    line = next((x for x in diag.splitlines() if "world rank 2 (pid" in x and "SIGKILLed" in x), None)
+    assert line is not None and f"on {a})" in line, diag     # its agent, on the head, is what was killed
+    detected = learned(next(x for x in logs[0] if x["event"] == "recovery")) - t_stop
+    used = float(line.split("bound ")[1].split(" s")[0])
+    assert bound - 0.5 <= detected <= used + 10, (detected, diag)
+    assert not os.path.exists(f"/proc/{pid}"), "the stopped rank outlived its eviction"
+    assert not [x for x in logs[2] if x["t"] > t_stop + 0.2]
+    print(f"\nrank 2 on host b stopped (bound {used:g} s): " + "; ".join(timings(logs, 0, t_stop)))

@@ -1,4 +1,4 @@
-"""Unit tests for the agent launch's pure parts: rank placement and the rank's remote command."""
+"""Unit tests for the agent launch's pure parts: rank placement, the rank's remote command, its hang rows."""
 import json
 import shlex
 
@@ -45,3 +45,26 @@ def test_agent_launch_keeps_shared_memory_and_han_off(tmp_path):
     # A new secret for each job, in the agents' environment: mpirun's command line names it only.
     assert len(env[SECRET_ENV]) == 64 and env[SECRET_ENV] not in line and f"-x {SECRET_ENV}" in line
     assert env[SECRET_ENV] != agent_prefix(4, str(hostfile), "ssh", "10.0.0.0/24", "/opt/ulfm/agent")[1][SECRET_ENV]
+
+
+def test_the_agent_writes_its_ranks_hang_rows_as_its_own(tmp_path):
+    """A rank's hang watch row ("h", through its tether) goes on the head's board with the agent's pid, host and
+    clock (killing the agent is how the rank dies for Open MPI); its CPU time ("u") updates the row, never its
+    heartbeat: a rank that runs without writing is not frozen."""
+    import os
+    import socket
+    import time
+
+    from ulfmtrain.launching import agent
+    from ulfmtrain.transport import board as boards
+
+    w = agent.Watch({"hosts": ["b"], "keepalive": 3.0, "dir": str(tmp_path)}, 0)
+    row = {"pid": 4242, "start": 7, "host": "b", "rank": 0, "role": "member", "mono": 1.0, "cpu": 100,
+           "state": "wait", "for": 0.5, "bound": 3.0}
+    w.feed(b"u 90\nh " + json.dumps(row).encode() + b"\n")
+    (written,) = boards.Board(str(tmp_path)).rows()
+    assert (written["pid"], written["host"], written["cpu_now"]) == (os.getpid(), socket.gethostname(), 100)
+    assert abs(written["mono"] - time.monotonic()) < 5 and written["state"] == "wait"
+    w.feed(b"u 250\n")
+    (again,) = boards.Board(str(tmp_path)).rows()
+    assert again["cpu_now"] == 250 and again["mono"] == written["mono"]

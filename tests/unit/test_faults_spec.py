@@ -29,6 +29,11 @@ from ulfmtrain.transport.faults import (
     ("2@4:backward=0.25/term", Kill(2, 4, "backward", 0.25, kind="term")),
     ("2@4:checkpoint/int", Kill(2, 4, "checkpoint", kind="int")),
     ("2@4:init/kill", Kill(2, 4, "init")),
+    ("1@6:commit/stop", Kill(1, 6, "commit", kind="stop")),
+    ("1@6/stop=2.5", Kill(1, 6, "forward", kind="stop", after=2.5)),
+    ("0@3:backward/hang", Kill(0, 3, "backward", kind="hang")),
+    ("2@8:recovery/stop", Kill(2, 8, "recovery", kind="stop")),        # frozen inside the repair (C raises it)
+    ("0@9:checkpoint/hang", Kill(0, 9, "checkpoint", kind="hang")),
 ])
 def test_parse_valid(spec, kill):
     assert parse_kill(spec) == kill
@@ -40,7 +45,9 @@ def test_parse_valid(spec, kill):
     ("1@2:sideways", "unknown phase"), ("1@2:update=0.5", "only the backward"),
     ("1@2:backward=0", "fraction"), ("1@2:backward=1.5", "fraction"), ("1@2:backward=.", "fraction"),
     ("1@2:error=0", "error count"), ("1@2:error=1.5", "error count"),
-    ("1@2/boom", "unknown kind"), ("1@2/raise=3", "only the exit kind"), ("1@2/exit=256", "exit code"),
+    ("1@2/boom", "unknown kind"), ("1@2/raise=3", "only the exit and stop kinds"),
+    ("1@2/stop=0", "positive number of seconds"), ("1@2/exit=1.5", "exit code"),
+    ("1@2:recovery/stop=3", "takes no /KIND"), ("1@2:recovery/hang", "takes no /KIND"), ("1@2/exit=256", "exit code"),
     ("1@2/exit=-1", "bad kill spec"), ("1@2:update/", "bad kill spec"),
     ("1@2:error/raise", "takes no /KIND"), ("1@2:recovery/term", "takes no /KIND"),
     ("1@2:ready/exit", "takes no /KIND"), ("1@2:checkpoint/raise", "use /kill, /term"),
@@ -58,6 +65,9 @@ def test_schedule_checked_against_world():
         parse_kills(["4@1"], 4)
     with pytest.raises(KillSpecError, match="kills all 2 ranks"):
         parse_kills(["0@1", "1@5"], 2)
+    with pytest.raises(KillSpecError, match="kills all 2 ranks"):      # stopped for good: nobody is left either
+        parse_kills(["0@1/stop", "1@5"], 2)
+    assert len(parse_kills(["0@1/stop=2", "1@5"], 2)) == 2               # ... but one that resumes is
     # Every rank failing by another kind is a bug on every rank: the job ends with status 1 (exits.py).
     assert len(parse_kills(["0@1/raise", "1@1:update/raise"], 2)) == 2
     assert len(parse_kills(["0@1/raise", "1@5"], 2)) == 2

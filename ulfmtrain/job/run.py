@@ -79,6 +79,7 @@ def run(job: TrainJob) -> int:
     from ..data.format import DatasetError, DatasetFile
     from ..training.device import device_for, select_device, slot_local_rank
     from ..training.models import build_model
+    from ..transport import hangs
     from ..transport.comm import FaultPathError, FaultToleranceUnavailable
     from ..transport.exits import fault_tolerant
     from ..transport.faults import KillSpecError, fails_before_ready, parse_kills
@@ -89,6 +90,8 @@ def run(job: TrainJob) -> int:
         return code if fault_tolerant() else finalize(job.finalize_timeout, code)
 
     torch.set_num_threads(1)   # one rank per core; more threads only fight
+    # Before the first collective: the start-up is watched with the job's own bound too.
+    hangs.configure(job.config.step_timeout, job.config.straggler)
     first = MPI.COMM_WORLD.Get_rank() == 0
     comm: Any = None
     try:

@@ -45,6 +45,7 @@ from typing import Any, NoReturn
 if not __package__:                    # run by path: the link from its folder, not from the package
     sys.path.append(str(Path(__file__).resolve().parent.parent / "transport"))
 link = import_module("..transport.link" if __package__ else "link", __package__)
+board = import_module("..transport.board" if __package__ else "board", __package__)   # standard library only
 
 PLAN_ENV = "ULFMTRAIN_AGENT_PLAN"     # {"rsh", "hosts", "net", "keepalive", "tether", "dir", "wdir"}
 FORWARD = ("PMIX_", "OMPI_", "PRTE_", "ULFMTRAIN_", "OPAL_")
@@ -157,8 +158,16 @@ class Watch:
         self.confirms: list[tuple[float, list[int]]] = []   # (deadline, removed ranks) not yet answered
         self.exit_code: int | None = None                    # the rank's status, once the tether reports it
         # The tether's messages, by kind (a new kind is one entry): a ping, a repair to confirm (c R,R), the
-        # rank killed by a signal, the rank exited (x STATUS).
-        self.handlers = {"p": lambda _: self.send("p"), "c": self.confirm, "k": self.killed, "x": self.exited}
+        # rank killed by a signal, the rank exited (x STATUS),
+        # h ROW (its hang watch's row), u TICKS (its CPU time).
+        self.handlers = {"p": lambda _: self.send("p"), "c": self.confirm, "k": self.killed, "x": self.exited,
+                         "h": self.hang_row, "u": self.cpu_time}
+        # The rank's hang watch rows (hangs.py), written on the head's board as this agent's: a hung rank is
+        # evicted by killing its agent, the process Open MPI knows (board.py).
+        self.board = board.Board(plan["dir"])
+        self.row: dict | None = None
+        self.identity = (os.getpid(), board.start_time(os.getpid()), socket.gethostname())
+        self.cpu = 0          # the rank's CPU time (clock ticks) as its tether last reported it
 
     def send(self, line: str) -> None:
         self.link.send(line)
@@ -178,6 +187,27 @@ class Watch:
         for why in bad:
             note(f"rank {self.rank}: dropped a message of its tether: {why}")
         return len(lines)
+
+    def hang_row(self, arg: str) -> None:
+        self.row = board.relay(self.board, arg, *self.identity, self.cpu)
+
+    def cpu_time(self, arg: str) -> None:
+        self.cpu = int(arg)
+        if self.row is not None:      # the rank ran (or not) since its last row: the board says so
+            self.row["cpu_now"] = max(self.cpu, self.row["cpu"])
+            self.board.write(self.row)
+
+    def judge_hangs(self) -> None:
+        """While the rank's row is fresh, judge the board for it (board.judge): evict hung ranks' agents; when
+        nobody comes, end (its tether then ends the rank) with status 3."""
+        if self.row is None or time.monotonic() - self.row["mono"] > 1.0:
+            return
+        if self.row["state"] != "wait" and not self.row.get("straggler"):
+            return                    # a rank that works reads nobody's rows
+        line = board.judge(self.board, self.row)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+            sys.exit(3)
 
     def confirm(self, arg: str) -> None:
         removed = [int(r) for r in arg.split(",") if r]
@@ -314,6 +344,7 @@ def main(app: list[str]) -> None:
     while True:
         deadline = t_start + CALLBACK_TIMEOUT if w.link is None else last + w.keepalive
         wait = min(deadline, door.expire()) - time.monotonic()
+        wait = min(wait, 0.25)        # the hang board's turn
         if w.confirms:
             wait = min(wait, 0.02)    # polling the removed ranks' locks
         for key, _ in sel.select(max(0.0, wait)):
@@ -355,6 +386,7 @@ def main(app: list[str]) -> None:
                 if w.feed(data):
                     last = time.monotonic()
         w.answer_confirms()
+        w.judge_hangs()
         now = time.monotonic()
         if w.link is None and now >= t_start + CALLBACK_TIMEOUT:
             die(f"rank {rank} on {w.host}: no call back from its tether to {door.address} within "

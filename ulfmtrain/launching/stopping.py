@@ -78,9 +78,9 @@ def start(cmd: Sequence[str], env: Mapping[str, str] | None = None, **popen: Any
 def run(prog: str, cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None, *,
         one_host: bool = False) -> int:
     """Run mpirun (start) to its end and return its status (LOST_HOST, and one line, when PRRTE ended the job
-    for a lost host: lost_daemon); past `timeout` s, end the job's tree and raise subprocess.TimeoutExpired.  one_host (every rank can note its end here): status 1, with one line, where
-    mpirun says 0 though every rank died by a signal (jobtree.none_ended): under ULFM such deaths do not count,
-    and the job left no result."""
+    for a lost host: lost_daemon); past `timeout` s, end the job's tree and raise subprocess.TimeoutExpired.
+    one_host (every rank can note its end here): status 1, with one line, where mpirun says 0 though every rank
+    died by a signal (jobtree.none_ended): under ULFM such deaths do not count, and the job left no result."""
     with tempfile.TemporaryDirectory(prefix="ulfmtrain-ends.") as ends:
         extra = {jobtree.ENDS_ENV: ends} if one_host else {}
         proc = start(cmd, {**(os.environ if env is None else env), **extra}, stderr=subprocess.PIPE)

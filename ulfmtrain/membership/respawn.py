@@ -116,12 +116,12 @@ class RespawnComm(SpareComm):
     def _commit_bits(self) -> int:
         # ANDed over the training ranks: only the owner of a batch (the rank that spawned it) sends zeros,
         # so every rank learns its state, also a spare that took a slot after the batch was started.
-        s = self._spawn
+        s, step = self._spawn, super()._commit_bits()     # (the hang watch's step time, above these bits)
         if s is None:
-            return NO_BATCH | READY | OK
+            return step | NO_BATCH | READY | OK
         if s.ready():
-            return READY | OK
-        return READY if s.finished() else OK      # finished with nothing ready: it failed
+            return step | READY | OK
+        return step | (READY if s.finished() else OK)      # finished with nothing ready: it failed
 
     def transaction(self, attempt: Any, commit: Any = None, *, what: str = "step",
                     before_agree: Any = None) -> Any:

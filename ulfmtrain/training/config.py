@@ -53,7 +53,8 @@ class TrainConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     overlap: bool = False        # reduce each bucket while backward runs (bit-identical to not overlapping)
     progress: bool = True
-    step_timeout: float = 600.0  # a rank that commits no step for this long ends the job (stall.py)
+    step_timeout: float | None = None  # the hang watch's floor (hangs.py); None: $ULFMTRAIN_STEP_TIMEOUT or 60 s
+    straggler: float | None = None     # evict a rank this many times slower than its peers (hangs.py); None: off
 
 
 @dataclass
@@ -99,7 +100,8 @@ class TrainJob:
                              lr_schedule=LrSchedule(ns.lr_schedule), dropout=ns.dropout, amp=ns.amp,
                              reload=Reload(ns.reload),
                              data_policy=DataPolicy(ns.data_policy), audit=ns.audit, bucket_bytes=ns.bucket_bytes,
-                             overlap=ns.overlap, progress=not ns.no_progress, step_timeout=ns.step_timeout)
+                             overlap=ns.overlap, progress=not ns.no_progress, step_timeout=ns.step_timeout,
+                             straggler=ns.straggler)
         ckpt = CheckpointOptions(path(ns.ckpt_dir), ns.ckpt_every, ns.ckpt_epoch, CheckpointStrategy(ns.ckpt_strategy),
                                  ns.ckpt_inflight, ns.ckpt_keep, ns.resume)
         return cls(path(ns.data), path(ns.train_file), path(ns.test_file), ns.model, config, list(ns.kill),
@@ -119,7 +121,7 @@ class TrainJob:
                  "--lr-scaling", c.lr_scaling.value, "--lr-schedule", c.lr_schedule.value,
                  "--dropout", repr(c.dropout), "--seed", str(c.seed),
                  "--reload", c.reload.value, "--data-policy", c.data_policy.value,
-                 "--bucket-bytes", str(c.bucket_bytes), "--step-timeout", repr(c.step_timeout),
+                 "--bucket-bytes", str(c.bucket_bytes),
                  "--out", str(self.out),
                  "--finalize-timeout", repr(self.finalize_timeout), "--recovery", self.recovery.value,
                  "--ckpt-every", str(k.every), "--ckpt-strategy", k.strategy.value,
@@ -129,6 +131,9 @@ class TrainJob:
                          ("--no-progress", not c.progress), ("--ckpt-epoch", k.epoch), ("--resume", k.resume)):
             if on:
                 argv.append(flag)
+        for flag, seconds in (("--step-timeout", c.step_timeout), ("--straggler", c.straggler)):
+            if seconds is not None:
+                argv += [flag, repr(seconds)]
         for spec in self.kill_specs:
             argv += ["--kill", spec]
         return argv
@@ -143,9 +148,14 @@ class TrainJob:
     # -- checks and what follows from the flags --------------------------------
     def validate(self) -> None:
         """Raise UsageError naming the problem and the fix for flags that do not go together."""
-        if not (math.isfinite(self.config.step_timeout) and self.config.step_timeout > 0):
-            raise UsageError(f"--step-timeout {self.config.step_timeout:g}: give a positive number of seconds "
-                             "(how long a rank may wait for the next step before the job ends; default 600)")
+        c = self.config
+        if c.step_timeout is not None and not (math.isfinite(c.step_timeout) and c.step_timeout > 0):
+            raise UsageError(f"--step-timeout {c.step_timeout:g}: give a positive number of seconds (the least "
+                             "time without progress after which a rank is hung; default 60, or "
+                             "$ULFMTRAIN_STEP_TIMEOUT)")
+        if c.straggler is not None and not (math.isfinite(c.straggler) and c.straggler > 1):
+            raise UsageError(f"--straggler {c.straggler:g}: give a factor above 1 (a rank whose steps take that "
+                             "many times its peers' is evicted)")
         if not 0.0 <= self.config.dropout < 1.0:
             raise UsageError(f"--dropout {self.config.dropout:g}: give the probability of zeroing an activation, "
                              "0 <= P < 1 (0: no dropout)")

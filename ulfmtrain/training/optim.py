@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 
 from ..core.modes import Phase
-from ..transport import faults, stall
+from ..transport import faults, hangs
 from ..transport.comm import AttemptFailed
 from . import ddp, serialize
 from .buckets import BufferBucket, make_buckets
@@ -100,10 +100,9 @@ class DistributedOptimizer(ReplicatedState, torch.optim.Optimizer):
         self._weight_synced = 1.0                  # the weight of the step reduced and not yet applied
         self.overlap = Overlap(self.buckets, self._begin_overlapped, self._reduce_bucket,
                                done=self.synchronize, committed=lambda: self._synchronized) if overlap else None
-        # A user's own loop is watched for a hung peer too (train has its own watchdog, which turns this off).
-        self._commit_hooks: list[Callable[[], None]] = [stall.commit_watch(
-            lambda: f"world rank {comm.world_rank} (after step {self.step_count - 1})")]
-        self._attempt_hooks: list[Callable[[int, int], None]] = []
+        # The hang watch measures each step: its time (the bound follows it) and this rank's own work in it.
+        self._commit_hooks: list[Callable[[], None]] = [hangs.step_committed]
+        self._attempt_hooks: list[Callable[[int, int], None]] = [hangs.step_attempted]
         self._extra = ExtraState(optimizer)
         if scale_lr:
             for g in optimizer.param_groups:

@@ -25,7 +25,6 @@ from ..data.shard import LocalShard
 from ..transport import faults
 from ..transport.comm import StartOver
 from ..transport.faults import Kill
-from ..transport.stall import Watchdog, step_watchdog
 from .config import TrainConfig
 from .device import model_device
 from .optim import FTSGD, DistributedOptimizer
@@ -288,13 +287,8 @@ class Trainer:
         self.log("start", host=socket.gethostname(), pid=os.getpid(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
                  steps_per_epoch=self.steps_left(), buckets=len(self.opt.buckets), device=str(self.device))
-        watchdog = step_watchdog(self.cfg.step_timeout,
-                                 lambda: f"rank {self.comm.world_rank} (after step {self.opt.step_count - 1})")
-        try:
-            self._train(watchdog)
-            return self._finish(t_start)      # its final check is a collective too: still watched
-        finally:
-            watchdog.close()
+        self._train()
+        return self._finish(t_start)
 
     def _start_up(self) -> None:
         """The start-up, a transaction like a step: the initial state (the lowest rank's, or the checkpoint a
@@ -313,7 +307,7 @@ class Trainer:
                 continue
         self.comm.started = True
 
-    def _train(self, watchdog: Watchdog) -> None:
+    def _train(self) -> None:
         """The steps, to the last epoch."""
         try:
             while self.sampler.epoch < self.cfg.epochs:
@@ -329,7 +323,6 @@ class Trainer:
                     self._log_events()
                     rec["checksum"] = self.opt.checksum()
                 self.log("step", **rec)
-                watchdog.pet()
                 if self.opt.param_groups[0]["lr"] != self._lr:    # the first step's, and after a shrink or join
                     self._lr = self.opt.param_groups[0]["lr"]
                     self.log("lr", step=rec["step"], lr=self._lr, world=self.comm.size)

@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from .. import _ftcoll
 from ..core.modes import Phase
-from . import exits, faults, tether
+from . import exits, faults, hangs, tether
 from .handles import handles_held, retire
 
 T = TypeVar("T")
@@ -305,8 +305,9 @@ class FaultTolerantComm(_CommBase):
             n += 1
 
     def _commit_bits(self) -> int:
-        """Bits ANDed over the survivors in each commit agree (read back as agreed_bits); none here."""
-        return 0
+        """Bits ANDed over the survivors in each commit agree (read back as agreed_bits): here the step time of
+        the hang watch's bound (hangs.step_bits), above the bits of a subclass."""
+        return hangs.step_bits()
 
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
         old, size_before, alive_before = self.comm, self.size, self.alive

@@ -50,6 +50,7 @@ _installed = False
 _armed = False
 _at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (the fork server: forkserver.drain)
 _end_status: int | None = None             # an end-of-script check that failed: the status the rank ends with
+_leaving = threading.Lock()  # one thread leaves (the hang watch's, for a stuck main thread, or the main thread)
 
 
 class Terminated(BaseException):
@@ -111,6 +112,9 @@ def arm_at_exit(timeout: float = 5.0) -> None:
         jobtree.note("started")
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
         atexit.register(finalize, timeout)
+        from . import hangs
+
+        hangs.start()      # a rank that makes no progress for a bound fails (and is failed) like a killed one
 
 
 def install() -> None:
@@ -193,9 +197,12 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
     return code
 
 
-def leave(failed: bool) -> None:
-    """The exit protocol (see the module's docstring); returns only when every member is leaving."""
+def leave(failed: bool, bound: float | None = None) -> None:
+    """The exit protocol (see the module's docstring); returns only when every member is leaving.  bound: how
+    long to wait for the peers' agree (FAILED_BOUND_S, or WORLD_BOUND_S before any FaultTolerantComm)."""
     global _left, _left_failed
+    if not _leaving.acquire(blocking=False):
+        threading.Event().wait()        # another thread of this process is leaving: the process ends with it
     _left, _left_failed = True, failed
     _hold_signals()
     from mpi4py import MPI
@@ -213,7 +220,7 @@ def leave(failed: bool) -> None:
             die_told(f"ulfmtrain: world rank {me} {why}; it ends by SIGKILL so that the others see it leave")
         _pmix_finalize()        # a spare released at the end
         return
-    bound = FAILED_BOUND_S if w is not None else WORLD_BOUND_S
+    bound = bound or (FAILED_BOUND_S if w is not None else WORLD_BOUND_S)
     value = NEUTRAL | LEAVING | (FAILED if failed else 0)
     first = _agree(comm, value, 0.0 if failed and w is not None else DONE_GRACE_S, bound)
     second = _agree(comm, value, 0.0, bound) if first is not None and first & LEAVING else None

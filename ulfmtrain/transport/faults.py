@@ -4,8 +4,9 @@ Everything that injects a failure lives here, behind one seam: the runtime
 calls `point(step, phase)` at each program point, a no-op until `arm()` gives
 this rank a schedule.  KIND says how the rank fails there: `kill` (SIGKILL, the
 default), `raise` (an uncaught exception), `exit[=N]` (sys.exit(N), N=1 unless
-given), `term` (SIGTERM) or `int` (SIGINT, which Python turns into
-KeyboardInterrupt).
+given), `term` (SIGTERM), `int` (SIGINT, which Python turns into
+KeyboardInterrupt), `stop[=S]` (SIGSTOP: frozen for good, or SIGCONT after S
+seconds) or `hang` (the main thread deadlocks, as in a program's own code).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import math
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,14 +23,14 @@ from ..core.modes import Phase
 
 PHASES = tuple(p.value for p in Phase)     # what each one means: modes.Phase
 DEFAULT_BACKWARD_FRACTION = 0.5
-KINDS = ("kill", "raise", "exit", "term", "int")   # how the rank fails: see the module's docstring
-_SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?(?:/([a-z]+)(?:=([0-9]+))?)?$")
+KINDS = ("kill", "raise", "exit", "term", "int", "stop", "hang")   # how the rank fails: see the module's docstring
+_SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?(?:/([a-z]+)(?:=([0-9.]+))?)?$")
 _HELP = (f"expected RANK@STEP[:PHASE][/KIND], PHASE one of "
          f"{', '.join(PHASES).replace('backward', 'backward[=FRACTION]').replace('error', 'error[=COUNT]')}, "
-         f"KIND one of {', '.join(KINDS).replace('exit', 'exit[=CODE]')} "
-         "(e.g. 1@300, 2@40:backward=0.25, 1@50:error=2, 1@7:update/raise or 0@9/exit=3)")
+         f"KIND one of {', '.join(KINDS).replace('exit', 'exit[=CODE]').replace('stop', 'stop[=SECONDS]')} "
+         "(e.g. 1@300, 2@40:backward=0.25, 1@50:error=2, 1@7:update/raise, 0@9/exit=3 or 2@30/stop=5)")
 # Phases where another process fails (ready), nobody fails (error, disagree, newcomer), or the C fault path
-# SIGKILLs the rank (recovery): only the default kind there.
+# SIGKILLs the rank (recovery): only the default kind there (and, at recovery, stop for good: a SIGSTOP instead).
 _KILL_ONLY = ("error", "disagree", "ready", "newcomer", "recovery")
 # A checkpoint write that raises is reported and training goes on (a full disk is no rank failure); sys.exit in
 # the overlapped writer's thread would end that thread alone.
@@ -50,7 +52,8 @@ class InjectedFailure(RuntimeError):
 @dataclass(frozen=True)
 class Kill:
     """Rank `rank` fails at `phase` of global step `step`, as `kind` says (the error phase: `count` attempts
-    of the step meet an MPI error on this rank, and nobody dies); `code` is the status of the exit kind."""
+    of the step meet an MPI error on this rank, and nobody dies); `code` is the status of the exit kind,
+    `after` the seconds before a stopped rank gets SIGCONT (0: never)."""
 
     rank: int
     step: int
@@ -59,6 +62,7 @@ class Kill:
     count: int = 1
     kind: str = "kill"
     code: int = 1
+    after: float = 0.0
 
     @property
     def kills(self) -> bool:
@@ -68,8 +72,9 @@ class Kill:
 
     def __str__(self) -> str:
         tail = {Phase.BACKWARD: f"={self.fraction:g}", Phase.ERROR: f"={self.count}"}.get(Phase(self.phase), "")
-        kind = "" if self.kind == "kill" else f"/{self.kind}" + (f"={self.code}" if self.kind == "exit"
-                                                                    and self.code != 1 else "")
+        value = (f"={self.code}" if self.kind == "exit" and self.code != 1
+                 else f"={self.after:g}" if self.kind == "stop" and self.after else "")
+        kind = "" if self.kind == "kill" else f"/{self.kind}{value}"
         return f"{self.rank}@{self.step}:{self.phase}{tail}{kind}"
 
 
@@ -82,17 +87,32 @@ def parse_kill(spec: str) -> Kill:
     kind, code = m[5] or "kill", m[6]
     if kind not in KINDS:
         raise KillSpecError(f"bad kill spec {spec!r}: unknown kind {kind!r}; {_HELP}")
-    if code is not None and kind != "exit":
-        raise KillSpecError(f"bad kill spec {spec!r}: only the exit kind takes =CODE; {_HELP}")
-    if code is not None and not 0 <= int(code) <= 255:
+    if code is not None and kind not in ("exit", "stop"):
+        raise KillSpecError(f"bad kill spec {spec!r}: only the exit and stop kinds take a value; {_HELP}")
+    if kind == "exit" and code is not None and not (code.isdigit() and 0 <= int(code) <= 255):
         raise KillSpecError(f"bad kill spec {spec!r}: the exit code must be from 0 to 255; {_HELP}")
-    if kind != "kill" and kill.phase in _KILL_ONLY:
+    after = _seconds(spec, code) if kind == "stop" and code is not None else 0.0
+    # (Frozen for good inside the repair: the C fault path raises SIGSTOP there.)
+    frozen_in_repair = kind == "stop" and kill.phase == Phase.RECOVERY and not after
+    if kind != "kill" and kill.phase in _KILL_ONLY and not frozen_in_repair:
         raise KillSpecError(f"bad kill spec {spec!r}: the {kill.phase} phase takes no /KIND (nobody, another "
                             f"process or the C fault path fails there); drop /{kind}")
     if kind in ("raise", "exit") and kill.phase in _SIGNAL_ONLY:
         raise KillSpecError(f"bad kill spec {spec!r}: a checkpoint write that raises or exits is reported and "
-                            f"training goes on (no rank fails); use /kill, /term or /int there")
-    return Kill(kill.rank, kill.step, kill.phase, kill.fraction, kill.count, kind, int(code or 1))
+                            f"training goes on (no rank fails); use /kill, /term, /int, /stop or /hang there")
+    return Kill(kill.rank, kill.step, kill.phase, kill.fraction, kill.count, kind,
+                int(code) if kind == "exit" and code else 1, after)
+
+
+def _seconds(spec: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value > 0):
+        raise KillSpecError(f"bad kill spec {spec!r}: stop=SECONDS takes a positive number of seconds before "
+                            f"SIGCONT; {_HELP}")
+    return value
 
 
 def _parse_point(spec: str, m: re.Match) -> Kill:
@@ -126,9 +146,10 @@ def parse_kills(specs: Iterable[str], world_size: int | None = None, spares: int
             if k.rank >= world_size:
                 raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of "
                                     f"{world_size} ranks; use RANK@STEP with RANK from 0 to {world_size - 1}")
-        # Only SIGKILLs can leave nobody: when every rank fails by another kind, they end the job together
-        # with status 1 (exits.py), which a test of a bug on every rank wants.
-        if len({k.rank for k in kills}) >= world_size + spares and all(k.kind == "kill" for k in kills):
+        # Only SIGKILLs and stops for good can leave nobody: when every rank fails by another kind, they end the job
+        # together with status 1 or 3 (exits.py, hangs.py), which a test of a bug on every rank wants.
+        if len({k.rank for k in kills}) >= world_size + spares and all(
+                k.kind == "kill" or k.kind == "stop" and not k.after for k in kills):
             raise KillSpecError(f"the kill schedule kills all {world_size} ranks: "
                                 "drop one RANK@STEP so a survivor is left")
     ranks = [k.rank for k in kills]
@@ -174,6 +195,7 @@ class FaultInjector:
             del self._mine[(kill.step, kill.phase)]
             self._die(kill, pid)
         elif kill is not None and kill.kills:
+            del self._mine[(kill.step, kill.phase)]     # once (a stopped rank that resumes goes on from here)
             self._die(kill)
         elif kill is not None and self._errors_left.get(step, 0) > 0:
             self._errors_left[step] -= 1
@@ -198,7 +220,8 @@ class FaultInjector:
 
         def hook(_param) -> None:
             seen[0] += 1
-            if seen[0] >= target:
+            if seen[0] == target:          # once (a stopped rank that resumes goes on from here)
+                self._mine.pop((kill.step, kill.phase), None)
                 self._die(kill)
 
         return [p.register_post_accumulate_grad_hook(hook) for p in params]
@@ -209,7 +232,8 @@ class FaultInjector:
         for (at, phase), kill in self._mine.items():
             if phase == "recovery" and step >= at:
                 from .. import _ftcoll
-                _ftcoll.set_killpoint(_ftcoll.KILL_AFTER_SHRINK)
+                _ftcoll.set_killpoint(_ftcoll.KILL_AFTER_SHRINK,
+                                      signal.SIGSTOP if kill.kind == "stop" else signal.SIGKILL)
                 self._recovery_armed = True
                 if self._log:
                     self._log("kill_armed", step=step, phase=kill.phase, spec=str(kill))
@@ -218,16 +242,34 @@ class FaultInjector:
         if self._log:
             self._log("kill", step=kill.step, phase=kill.phase, spec=str(kill),
                       **({"pid": pid} if pid else {}), **({"kind": kill.kind} if kill.kind != "kill" else {}))
-        fail(kill.kind, kill.code, str(kill), pid)
+        fail(kill.kind, kill.code, str(kill), pid, kill.after)
 
 
-def fail(kind: str, code: int = 1, spec: str = "", pid: int | None = None) -> None:
-    """Fail as `kind` says (KINDS): a signal to `pid` or this process, an exception or sys.exit(code)."""
+# A deadlock as a program's own code has one (compiled outside the package: the hang watch sees the program's
+# code, not ulfmtrain's, where the main thread waits).
+_DEADLOCK = compile("import threading\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()\n",
+                    "<injected deadlock>", "exec")
+# SIGCONT to a stopped process after a delay, by its pidfd (never to a later process with the same pid).
+_RESUME = ("import os, signal, sys, time; time.sleep(float(sys.argv[1])); "
+           "signal.pidfd_send_signal(int(sys.argv[2]), signal.SIGCONT)")
+
+
+def fail(kind: str, code: int = 1, spec: str = "", pid: int | None = None, after: float = 0.0) -> None:
+    """Fail as `kind` says (KINDS): a signal to `pid` or this process, an exception, sys.exit(code) or a
+    deadlock; a stop is followed by SIGCONT `after` seconds later (0: never)."""
     if kind == "raise":
         raise InjectedFailure(f"injected failure {spec}: an exception nothing catches, as a bug's")
     if kind == "exit":
         sys.exit(code)
-    sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[kind]
+    if kind == "hang":
+        exec(_DEADLOCK, {})
+    if kind == "stop" and after:
+        fd = os.pidfd_open(pid or os.getpid())
+        subprocess.Popen([sys.executable, "-I", "-S", "-c", _RESUME, str(after), str(fd)], pass_fds=(fd,),
+                         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+        os.close(fd)
+    sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT, "stop": signal.SIGSTOP}[kind]
     # To this process, the signal arrives before kill() returns; a Python handler (SIGINT's, ulfmtrain's
     # SIGTERM one) then runs at the next bytecode, still at this program point.
     os.kill(pid or os.getpid(), sig)

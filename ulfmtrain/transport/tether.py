@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from importlib import import_module
 from pathlib import Path
@@ -90,8 +91,14 @@ def stop(why: str) -> NoReturn:
 
 
 # -- the tether process, on the rank's host ----------------------------------
+CPU_REPORT_S = 0.5        # how often the tether tells the head how much CPU time its rank has used
+
+board = import_module(".board" if __package__ else "board", __package__)    # standard library only
+
+
 class Tether:
-    """Pings the head, relays the rank's confirm requests, and reports how the rank ended."""
+    """Pings the head, relays the rank's lines (confirm requests, the hang watch's rows), reports the rank's CPU
+    time (a rank that holds Python's lock runs; a stopped one does not: agent.py, board.py) and how it ended."""
 
     def __init__(self, head: Any, rank_end: socket.socket, child: subprocess.Popen, keepalive: float,
                  session: int | None = None) -> None:
@@ -159,13 +166,16 @@ class Tether:
         sel.register(pidfd, selectors.EVENT_READ)
         interval = self.keepalive / 3
         last = time.monotonic()
-        next_ping = last
+        next_ping = next_cpu = last
         while True:
             now = time.monotonic()
             if now >= next_ping:
                 self.send_head("p")
                 next_ping = now + interval
-            for key, _ in sel.select(max(0.0, min(next_ping, last + self.keepalive) - now)):
+            if now >= next_cpu:
+                self.send_head(f"u {board.cpu_ticks(self.child.pid)}")
+                next_cpu = now + CPU_REPORT_S
+            for key, _ in sel.select(max(0.0, min(next_ping, next_cpu, last + self.keepalive) - now)):
                 if key.fileobj == pidfd:
                     rc = self.child.wait()
                     self.send_head("k" if rc < 0 else f"x {rc}")
@@ -229,6 +239,25 @@ def main(app: list[str]) -> None:
 
 # -- the gate, inside the rank -----------------------------------------------
 _link: socket.socket | None = None
+_sending = threading.Lock()         # the main thread's confirm requests and the hang watch's rows (hangs.py)
+
+
+def _the_link() -> socket.socket:
+    global _link
+    if _link is None:
+        _link = socket.socket(fileno=int(os.environ[FD_ENV]))
+        # The head waits up to S for the removed agents of a confirm; the tether lapses after S.
+        _link.settimeout(3 * float(os.environ[KEEPALIVE_ENV]))
+    return _link
+
+
+def send_line(line: str) -> None:
+    """A line to the head node through the tether (the hang watch's row: "h {...}"); lost if the link is."""
+    try:
+        with _sending:
+            _the_link().sendall(line.encode() + b"\n")
+    except OSError:
+        pass                          # the tether is gone: this rank ends with it
 
 
 def confirm(removed: list[int]) -> tuple[bool, str]:
@@ -236,16 +265,13 @@ def confirm(removed: list[int]) -> tuple[bool, str]:
 
     Returns (True, "") or (False, why).
     """
-    global _link
-    if _link is None:
-        _link = socket.socket(fileno=int(os.environ[FD_ENV]))
-    keepalive = float(os.environ[KEEPALIVE_ENV])
-    _link.settimeout(3 * keepalive)   # the head waits up to S for the removed agents; the tether lapses after S
+    link = _the_link()
     try:
-        _link.sendall(("c " + ",".join(map(str, removed)) + "\n").encode())
+        with _sending:
+            link.sendall(("c " + ",".join(map(str, removed)) + "\n").encode())
         answer = b""
         while not answer.endswith(b"\n"):
-            part = _link.recv(256)
+            part = link.recv(256)
             if not part:
                 return False, "its tether is gone"
             answer += part
