@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..core.modes import DataPolicy
+from ..training.job_state import JobState
 from .plan import holdings_of, plan_recovery
 from .sampler import EpochSampler
 
@@ -48,25 +49,28 @@ def cut(queue: np.ndarray, steps: int, batch: int) -> list[np.ndarray]:
 
 
 class ExactlyOnceSampler:
-    """A batch sampler: `DataLoader(dataset, batch_sampler=ExactlyOnceSampler(len(dataset), comm, opt, ...))`.
+    """A batch sampler: `DataLoader(dataset, batch_sampler=ExactlyOnceSampler(len(dataset), comm, ...))`.
 
     Every record is trained on exactly once per epoch, across failures, with any num_workers and
-    prefetching.  It advances when a step of `opt` commits and is part of the state a replacement receives.
+    prefetching.  It advances when the job's step commits (comm.step; with several optimizers, when the one
+    that stepped least steps) and is part of the state a replacement receives ("sampler").
     Do not pass samples to opt.step(): the sampler gives each step's weight.
 
     Args:
         count: the number of records (len(dataset)); indices 0..count-1.
         comm: the communicator (ulfmtrain.connect()).
-        opt: the DistributedOptimizer whose steps consume the batches.
+        opt: the DistributedOptimizer whose steps consume the batches (default: the job's steps).
         batch_size: records per rank and step (at most).
         seed: the permutations' seed (the same on every rank).
     """
 
-    def __init__(self, count: int, comm: Comm, opt: DistributedOptimizer, *, batch_size: int,
+    def __init__(self, count: int, comm: Comm, opt: DistributedOptimizer | None = None, *, batch_size: int,
                  seed: int = 0) -> None:
         if count < 1:
             raise ValueError(f"ExactlyOnceSampler needs at least one record, got count={count}")
-        self.count, self.comm, self.opt, self.batch = count, comm, opt, batch_size
+        self.count, self.comm, self.batch = count, comm, batch_size
+        # The steps whose commits consume batches: one optimizer's, or the job's (training/job_state.py).
+        self.opt: Any = opt if opt is not None else JobState.of(comm)
         self.queues = EpochSampler(holdings_of(count, comm.alive), batch_size, seed)
         self.epoch = 0
         self.plan: dict[int, list[np.ndarray]] = {}   # slot -> its batch at each step of this epoch
@@ -79,9 +83,9 @@ class ExactlyOnceSampler:
         self.replanned: list[dict[str, int]] = []      # per failure: records re-planned, and a full re-read's
         self._log = getattr(comm, "event_log", None) or None
         self._start(0)
-        opt.add_commit_hook(self._committed)
-        opt.add_attempt_hook(self._audit)
-        opt.register_extra_state("sampler", self.state, self.load_state)   # a replacement's loads here
+        self.opt._add_commit_hook(self._committed)
+        self.opt._add_attempt_hook(self._audit)
+        self.opt._register_extra_state("sampler", self.state, self.load_state)   # a replacement's loads here
         # First among the listeners, so that the recovery's log line carries what was re-planned.
         getattr(comm, "_listeners").insert(0, self._replan)  # noqa: B009  # not in the Comm protocol
         if hasattr(comm, "add_join_listener"):       # a RespawnComm: a newcomer fills an empty slot
@@ -130,7 +134,7 @@ class ExactlyOnceSampler:
     def _expect(self) -> None:
         # The weight of the step in flight: its records (0 for a placeholder).
         if self.done < len(self.step_epoch) and self.comm.world_rank in self.plan:
-            self.opt.expect_samples(len(self._mine(self.done)))
+            self.opt._expect_samples(len(self._mine(self.done)))
 
     def _committed(self) -> None:
         if self.done >= len(self.step_epoch):
@@ -138,7 +142,7 @@ class ExactlyOnceSampler:
         epoch = self.step_epoch[self.done]
         self.done += 1
         if self._log and (self.done == len(self.step_epoch) or self.step_epoch[self.done] != epoch):
-            self._log("epoch", epoch=epoch, step=self.opt.step_count)
+            self._log("epoch", epoch=epoch, step=self.comm.step)
         self._expect()
 
     def _audit(self, step: int, attempt: int) -> None:

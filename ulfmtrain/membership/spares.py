@@ -39,18 +39,25 @@ WAIT_POLL_S = 0.005     # a waiting spare tests its barrier this often: no core 
 
 
 class StateHolder(Protocol):
-    """What sends and takes the committed state in a hand-over (DistributedOptimizer)."""
+    """What sends and takes the committed state in a hand-over (the job's state: training/job_state.py)."""
 
-    def handover_payload(self) -> bytes: ...
-    def take_handover(self, blob: bytes) -> None: ...
+    def payload(self) -> bytes: ...
+    def take(self, blob: bytes) -> None: ...
 
 
 class SpareComm(FaultTolerantComm):
     """A FaultTolerantComm over N slots of a world of N + K ranks; world_rank is the slot (None: a waiting spare).
 
+    A failure inside a script's collective (comm.allreduce, comm.barrier) is repaired without the spares: the
+    dead slot stays vacant while the survivors finish the collective and whatever else their script does before
+    its next step, and at the start of that step a spare takes it (at_step_start), where a replacement's script
+    can join them.
+
     Args:
         spares: K, the last K ranks of MPI_COMM_WORLD.
     """
+
+    _vacant: frozenset[int] = frozenset()     # dead slots that a spare takes at the next step
 
     def __init__(self, spares: int) -> None:
         require_fault_tolerance()
@@ -63,8 +70,8 @@ class SpareComm(FaultTolerantComm):
         me = world.Get_rank()
         self.slot: int | None = me if me < self.slots else None
         self.spares_left = spares
-        self.handover: StateHolder | None = None   # what sends and takes the state (a DistributedOptimizer)
-        self.pending_handover = False           # a respawn join: hand over after the step's update
+        self.handover: StateHolder | None = None   # what sends and takes the state (the job's state)
+        self.pending_handover = False           # a respawn join: hand over before the step goes on
         self.takeover: dict | None = None      # a spare that took a slot: which slot, and whether in start-up
         # The first collectives.  A death in them is repaired like any other (the one loop), before anything
         # started: a spare that takes a slot here holds it from the start, with nothing to hand over.
@@ -118,8 +125,9 @@ class SpareComm(FaultTolerantComm):
         return MPI.Intracomm(comm)
 
     # -- the world: who holds which slot after a failure --------------------------
-    def _repair_world(self) -> dict:
-        """Repair the world with every live rank (training or waiting); give dead slots to waiting spares.
+    def _repair_world(self, assign: bool = True) -> dict:
+        """Repair the world with every live rank (training or waiting); give dead slots to waiting spares (or,
+        assign=False, leave as many vacant: spares take them at the next step).
 
         One loop: a death at any moment of it (the shrink, the allgather, the split) is met alike by every
         live rank (an agree on "all of it went through here") and the world is repaired again.
@@ -138,9 +146,11 @@ class SpareComm(FaultTolerantComm):
                 mine = (-1 if self.slot is None else self.slot, self.slot is not None and self.slot in self.receivers)
                 held = fresh.allgather((*mine, int(self.started), int(self.saving)))
                 slots = [h[0] for h in held]
-                dead = sorted(set(self.alive) - set(slots))    # slots removed earlier are not dead again
+                # Slots removed earlier are not dead again; vacant ones are.
+                dead = sorted((set(self.alive) | self._vacant) - set(slots))
                 waiting = [r for r, s in enumerate(slots) if s == -1]
-                taken = dict(zip(dead, waiting))
+                taken = dict(zip(dead, waiting)) if assign else {}
+                vacant = frozenset(() if assign else dead[:len(waiting)])
                 if slot is None and fresh.Get_rank() in taken.values():
                     slot = next(s for s, r in taken.items() if r == fresh.Get_rank())
                 comm = self._split(slot)
@@ -151,7 +161,7 @@ class SpareComm(FaultTolerantComm):
             if comm != MPI.COMM_NULL:
                 retire(comm)
             _ftcoll.revoke(fresh)       # every live rank repairs again (a waiting spare wakes too)
-        self.slot = slot
+        self.slot, self._vacant = slot, vacant
         self.spares_left = len(waiting) - len(taken)
         if self.comm != MPI.COMM_NULL:
             retire(self.comm)
@@ -164,7 +174,8 @@ class SpareComm(FaultTolerantComm):
         startup = not all(h[2] for h in held if h[0] >= 0 and not h[1])
         senders = [s for s in survivors if s not in self.receivers]
         return {"report": total, "replaced": {s: int(r) for s, r in taken.items()}, "saving": any(h[3] for h in held),
-                "removed": sorted(set(dead) - set(taken)), "root": min(senders, default=-1), "startup": startup}
+                "removed": sorted(set(dead) - set(taken) - vacant), "vacant": sorted(vacant),
+                "root": min(senders, default=-1), "startup": startup}
 
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
         """Repair, then hand the committed state to the ranks that took slots; a death in either: again.
@@ -173,10 +184,13 @@ class SpareComm(FaultTolerantComm):
         every rank, survivors and newcomers, starts the start-up over together (StartOver).
         """
         attempt = 0 if committed else self._attempt + 1
+        # A script's collective is finished without the spares: a replacement's script can join its peers at a
+        # step (or the end), not inside whatever its peers run between steps.
+        assign = what not in ("allreduce", "barrier")
         while True:
             size_before, wall_error = self.size, time.time() - (MPI.Wtime() - t_error)
             _ftcoll.revoke(self.world)          # wakes the waiting spares
-            plan = self._repair_world()
+            plan = self._repair_world(assign)
             event = self._event(plan, what, committed, wall_error, (t_error - t_start) * 1e3, agree_ms, size_before)
             self.events.append(event)
             for fn in self._listeners:
@@ -203,7 +217,7 @@ class SpareComm(FaultTolerantComm):
             step=self.step, what=what, committed=committed, wall_error=wall_error, detect_ms=detect_ms,
             commit_agree_ms=commit_agree_ms, revoke_ms=r["revoke_ms"], shrink_ms=r["shrink_ms"],
             agree_ms=r["agree_ms"], shrinks=r["shrinks"], size_before=size_before, size_after=self.size,
-            removed=plan["removed"], extra={"replaced": plan["replaced"]})
+            removed=plan["removed"], extra={"replaced": plan["replaced"], "vacant": plan["vacant"]})
 
     # -- the hand-over: one attempt, inside the repair loop -------------------------
     def _hand_over_once(self, attempt: int) -> bool:
@@ -219,7 +233,7 @@ class SpareComm(FaultTolerantComm):
         size = np.zeros(1, dtype=np.int64)
         data = np.empty(0, dtype=np.uint8)
         if self.rank == src:
-            data = np.frombuffer(bytearray(self.handover.handover_payload() + attempt.to_bytes(8, "little")),
+            data = np.frombuffer(bytearray(self.handover.payload() + attempt.to_bytes(8, "little")),
                                  dtype=np.uint8)
             size[0] = data.size
         status = _ftcoll.bcast_try(self.comm, size, src)
@@ -231,20 +245,27 @@ class SpareComm(FaultTolerantComm):
             return False
         if receiving:
             blob = data.tobytes()
-            self.handover.take_handover(blob[:-8])
+            self.handover.take(blob[:-8])
             self.start_attempts_at(int.from_bytes(blob[-8:], "little"))
             self.started = True
         self.receivers.clear()
         return True
 
     def hand_over(self) -> None:
-        """Outside a repair (a spare that took a slot, a respawn join at a step boundary): the hand-over, until
+        """Outside a repair (a spare that took a slot, a respawn join at a step's start): the hand-over, until
         every live slot has the state; a death meanwhile re-enters the repair (which hands over again)."""
         if self.handover is None or not self.receivers:
             return
         if not self._hand_over_once(0):
             t = MPI.Wtime()
             self._repair("handover", True, t, t, 0.0)
+
+    def at_step_start(self) -> None:
+        """A training rank enters a step (DistributedOptimizer): slots a repair left vacant go to the waiting spares
+        now, and the state to them (uniform: every survivor holds the same vacant slots)."""
+        if self._vacant and self.slot is not None:
+            t = MPI.Wtime()
+            self._repair("refill", True, t, t, 0.0)
 
     # -- a spare ------------------------------------------------------------------
     def wait_for_slot(self) -> bool:

@@ -48,6 +48,8 @@ _previous_hook = sys.excepthook
 _installed = False
 _armed = False
 _at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (the fork server: forkserver.drain)
+_before_leave: list[Callable[[], None]] = []   # what a program's end runs first (a script's end check, the spares)
+_status = 0                # the status the process ends with, whatever its program's (the end check failed)
 
 
 class Terminated(BaseException):
@@ -73,6 +75,18 @@ def at_leave(end: Callable[[], None]) -> None:
     """Call `end` once this rank leaves a job whose members all leave (the layers above hook in here)."""
     if end not in _at_leave:
         _at_leave.append(end)
+
+
+def before_leave(fn: Callable[[], None]) -> None:
+    """Call `fn` when the program ends (its last line, sys.exit, or an explicit finalize), before it leaves the job:
+    in registration order; not after a failure."""
+    _before_leave.append(fn)
+
+
+def end_with_status(status: int) -> None:
+    """The process ends with `status` once it left the job, whatever its program's own (the end check's verdict)."""
+    global _status
+    _status = status
 
 
 def arm_at_exit(timeout: float = 5.0) -> None:
@@ -127,6 +141,8 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
 def at_exit() -> None:
     """The program ended (its last line or sys.exit): leave together with the peers, or by SIGKILL if they train
     on.  Returns (without MPI_Finalize) when every member is leaving."""
+    while _before_leave and not _left:
+        _before_leave.pop(0)()
     if not _left:
         leave(failed=False)
 
@@ -146,7 +162,12 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
     finalizes = ends_with_mpi_finalize()     # decided before leaving, which ends PMIx where it is False
     if fault_tolerant():
         at_exit()
-    return lifecycle.finalize(timeout, exit_code) if finalizes else exit_code
+    code = lifecycle.finalize(timeout, exit_code) if finalizes else exit_code
+    if _status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_status)
+    return code
 
 
 def leave(failed: bool) -> None:

@@ -221,11 +221,16 @@ class FaultInjector:
         fail(kill.kind, kill.code, str(kill), pid)
 
 
+exited = False      # the exit kind fired in this process
+
+
 def fail(kind: str, code: int = 1, spec: str = "", pid: int | None = None) -> None:
     """Fail as `kind` says (KINDS): a signal to `pid` or this process, an exception or sys.exit(code)."""
     if kind == "raise":
         raise InjectedFailure(f"injected failure {spec}: an exception nothing catches, as a bug's")
     if kind == "exit":
+        global exited
+        exited = True           # a rank leaving mid-run on purpose: the script's end check is not for it
         sys.exit(code)
     sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[kind]
     # To this process, the signal arrives before kill() returns; a Python handler (SIGINT's, ulfmtrain's
