@@ -163,12 +163,18 @@ class JobState:
         return self.state
 
     def _arrive(self) -> None:
-        """A replacement's first registration: the survivors hand it the state now (they wait for it)."""
+        """A replacement's first registration or collective: the survivors hand it the state now (they wait for
+        it).  One that took its slot during their start-up gets nothing: it joins their first optimizer's
+        initial broadcast, which they start over with it, and runs no collective before."""
         if self._arrived:
             return
         self._arrived = True
         takeover = getattr(self.comm, "takeover", None)
-        if takeover is not None and not takeover.get("startup"):
+        if takeover is None:
+            return
+        if takeover.get("startup"):
+            self.catching_up, self.in_flight = True, (BCAST, "")
+        else:
             self.comm.hand_over()       # type: ignore[attr-defined]  # a SpareComm's: take() loads it
 
     # -- the job's step --------------------------------------------------------------
@@ -221,11 +227,12 @@ class JobState:
 
     def replaying(self, kind: int) -> bool:
         """A replacement that has not reached the survivors' transaction: a collective of `kind` is not it."""
+        self._arrive()
         return self.catching_up and (any(self._skip.values()) or self.in_flight[0] != kind)
 
     def joins(self, kind: int, name: str = "") -> bool:
         """Whether this transaction is the one the survivors are in (always, past the catch-up)."""
-        return not self.catching_up or (self.in_flight == (kind, name) and not any(self._skip.values()))
+        return not self.catching_up or (self.in_flight in ((kind, name), (kind, "")) and not any(self._skip.values()))
 
     def forward(self) -> None:
         """A training forward of one of the job's models: the RNG as the step began; after a skipped step, the
@@ -236,6 +243,7 @@ class JobState:
 
     def joined(self) -> None:
         """This rank takes part in a transaction with its peers: a replacement is caught up."""
+        self._arrive()
         if not self.catching_up:
             return
         if self._restore_due:

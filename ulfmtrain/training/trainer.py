@@ -185,6 +185,8 @@ class Trainer:
         """Forward and backward on my next batch; return the loss and the samples used."""
         step = self.opt.step_count
         faults.point(step, Phase.FORWARD)
+        # A respawned process joins at a step's start (a data rebalance with it): before this rank draws its batch.
+        self.opt._step_start()
         x, y = self._batch()
         self.opt.zero_grad()
         self.opt._begin_step(len(y))    # the weight of my gradient, before backward (overlap needs it)
@@ -262,14 +264,15 @@ class Trainer:
         """Train to the last epoch; return the summary (also written by the lowest survivor)."""
         t_start = time.perf_counter()
         torch.manual_seed(self.cfg.seed)
-        self.sampler.start_epoch(0)
         # Every rank starts from one state: the checkpoint a resume restores, or the lowest rank's; a spare that
-        # takes a dead rank's slot (or a respawned process) got the survivors' live state when its optimizer was
-        # made (the job's state: job_state.py).
+        # takes a dead rank's slot (or a respawned process) got the survivors' live state, the sampler's included,
+        # when its optimizer was made (the job's state: job_state.py).
         takeover = getattr(self.comm, "takeover", None)
         if takeover is not None and not takeover.get("startup"):
             self.epoch_ended = self.sampler.epoch_done()
-            if self.epoch_ended:               # it joins after a step that closed an epoch, as the survivors did
+            # It joins after a step that closed an epoch: it moves on, as the survivors did (unless they had: a
+            # hand-over in the final check comes after the last epoch's end).
+            if self.epoch_ended and self.sampler.epoch < self.cfg.epochs:
                 self._next_epoch()
             if self.checkpointer is not None:
                 self.checkpointer.begin(self, joining=True)
@@ -278,6 +281,7 @@ class Trainer:
         else:
             # A spare that took a slot during start-up starts it with the survivors, as a fresh trainer.
             self._awaiting_state = False
+            self.sampler.start_epoch(0)
             self._start_up()
         self.log("start", host=socket.gethostname(), pid=os.getpid(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
