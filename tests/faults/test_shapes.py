@@ -33,12 +33,17 @@ def launch(script: str, out: Path, *args: str, spares: int = 0, kill: str | None
     return proc, {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 
-def same_as(got: dict[int, dict], free: dict[int, dict], *keys: str) -> None:
-    """Every slot ended where the failure-free run's slot ended."""
+def same_as(got: dict[int, dict], free: dict[int, dict], *keys: str, steps: str = "") -> None:
+    """Every slot ended where the failure-free run's slot ended (`steps`: a {step: value} record, which a
+    replacement holds from the step it joined: that part)."""
     assert sorted(got) == sorted(free), (got, free)
     for slot in free:
         for key in keys:
             assert got[slot][key] == free[slot][key], (slot, key, got[slot][key], free[slot][key])
+        if steps:
+            mine, ref = got[slot][steps], free[slot][steps]
+            assert mine and max(mine, key=int) == max(ref, key=int), (slot, mine, ref)
+            assert mine == {k: v for k, v in ref.items() if k in mine}, (slot, steps, mine, ref)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +158,7 @@ def test_lbfgs_with_a_spare_killed_between_two_evaluations_ends_bit_identical(lb
     proc, got = launch("closure.py", tmp_path, "lbfgs", spares=1, kill="1@3:allreduce")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "replaced by spares" in proc.stderr, proc.stderr[-3000:]
-    same_as(got, lbfgs_free, "checksum", "losses")
+    same_as(got, lbfgs_free, "checksum", steps="losses")
 
 
 @pytest.mark.long
@@ -175,4 +180,4 @@ def test_a_closure_with_sgd_or_adam_and_a_spare_ends_bit_identical(tmp_path, kin
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc, got = launch("closure.py", tmp_path / "spare", kind, spares=1, kill="2@4:forward")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    same_as(got, free, "checksum", "losses")
+    same_as(got, free, "checksum", steps="losses")

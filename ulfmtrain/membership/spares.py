@@ -144,13 +144,15 @@ class SpareComm(FaultTolerantComm):
             try:
                 # (slot or -1, waiting for the state: a rank that took a slot in a repair whose hand-over failed)
                 mine = (-1 if self.slot is None else self.slot, self.slot is not None and self.slot in self.receivers)
-                held = fresh.allgather((*mine, int(self.started), int(self.saving)))
+                # (With the training ranks' `assign`, alike on all of them: a waiting spare does not know it.)
+                held = fresh.allgather((*mine, int(self.started), int(self.saving), int(assign)))
                 slots = [h[0] for h in held]
                 # Slots removed earlier are not dead again; vacant ones are.
                 dead = sorted((set(self.alive) | self._vacant) - set(slots))
                 waiting = [r for r, s in enumerate(slots) if s == -1]
-                taken = dict(zip(dead, waiting)) if assign else {}
-                vacant = frozenset(() if assign else dead[:len(waiting)])
+                given = all(h[4] for h in held if h[0] >= 0)
+                taken = dict(zip(dead, waiting)) if given else {}
+                vacant = frozenset(() if given else dead[:len(waiting)])
                 if slot is None and fresh.Get_rank() in taken.values():
                     slot = next(s for s, r in taken.items() if r == fresh.Get_rank())
                 comm = self._split(slot)
@@ -169,7 +171,7 @@ class SpareComm(FaultTolerantComm):
         self.world_rank = self.slot if self.slot is not None else -1
         survivors = [s for s in slots if s >= 0]
         self.alive = sorted(survivors + list(taken))
-        self.receivers = {s for s, r, _, _ in held if r and s in self.alive} | set(taken)
+        self.receivers = {h[0] for h in held if h[1] and h[0] in self.alive} | set(taken)
         self.world_history.append(self.size)
         startup = not all(h[2] for h in held if h[0] >= 0 and not h[1])
         senders = [s for s in survivors if s not in self.receivers]

@@ -1,11 +1,12 @@
 """A step with a closure (`opt.step(closure)`: LBFGS, or any optimizer that takes one), as one transaction.
 
-A mixin of DistributedOptimizer (optim.py).  The wrapped optimizer's own step runs inside the transaction's
-attempt, on a closure that returns the global mean loss and leaves the global mean gradient after each call, so
-that every rank takes the same line-search branches and calls the closure as often (checked: the call's number
-travels with the loss).  LBFGS changes the parameters between two calls: the state at the step's start is kept,
-a failure rolls the step back to it and redoes it whole on the repaired communicator, and a replacement is handed
-that state (the job's state reads `_snapshot`).
+A mixin of DistributedOptimizer (optim.py).  An optimizer that calls its closure once (SGD, Adam, ...: ONE_CALL)
+runs it, then the usual step.  Any other (LBFGS, one of your own): the wrapped optimizer's own step runs inside
+the transaction's attempt, on a closure that returns the global mean loss and leaves the global mean gradient
+after each call, so that every rank takes the same line-search branches and calls the closure as often
+(checked: the call's number travels with the loss).  LBFGS changes the parameters between two calls: the state
+at the step's start is kept, a failure rolls the step back to it and redoes it whole on the repaired
+communicator, and a replacement is handed that state (the job's state reads `_snapshot`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
     from .buckets import BufferBucket, GradBucket
     from .job_state import JobState
     from .overlap import Overlap
+
+
+# torch's optimizers that call the closure once, first thing, and update after it.
+ONE_CALL = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
+            torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+            torch.optim.Rprop)
 
 
 class ClosureStep:
@@ -58,6 +65,13 @@ class ClosureStep:
         def _load_entry(self, entry: dict[str, Any]) -> None: ...
 
     def _closure_step(self, closure: Callable[[], Any], samples: int | None) -> Any:
+        if type(self.optimizer) in ONE_CALL:
+            # It calls the closure once, before it updates: the closure, then the usual step (a failure redoes
+            # the reduction from the send buffers; nothing to roll back).  The loss is this rank's, as in DDP.
+            with torch.enable_grad():
+                loss = closure()
+            self.step(samples=samples)      # type: ignore[attr-defined]  # DistributedOptimizer's
+            return loss
         if self._skip():
             self._skipping = False
             with torch.enable_grad():

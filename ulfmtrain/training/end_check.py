@@ -91,6 +91,9 @@ def end_of_script(comm: Comm, job: JobState) -> None:
         job.stopped = True
         exits.end_with_status(1)
         return
+    except phase.LeftEarly:
+        exits.leave(failed=False)       # its peers train on: it dies by SIGKILL there and they repair
+        return
     if not same:
         line = differing(comm, crc)
         if comm.rank == 0:

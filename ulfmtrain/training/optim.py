@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import _ftcoll
 from ..core.modes import Phase
 from ..transport import faults, phase, stall
 from ..transport.comm import AttemptFailed
@@ -278,14 +279,10 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
         phase.tag(phase.STEP, self.index, self.step_count, weight=self._weight_sent,
                   problem=self.job.problem is not None, out=send)
         check = getattr(self.comm, "check_phase", None)
-        try:
-            if check is not None:
-                check(send, recv)
-            else:               # a stand-in communicator of the unit tests
-                self.comm.reduce_try(send, recv)
-        except phase.PhaseError:
-            self.job.stopped = True
-            raise
+        if check is not None:
+            check(send, recv)
+        else:               # a stand-in communicator of the unit tests
+            self.comm.reduce_try(send, recv)
 
     def _reduce_bucket(self, i: int) -> int:
         """One bucket of the overlapped first attempt, on the communication thread (the tag before the first)."""
@@ -299,6 +296,8 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
             self.comm.reduce_try(*self.buckets[i].arrays(), MPI.SUM)
         except AttemptFailed as exc:
             return exc.status
+        except phase.PeerLeft:      # every rank of this step sees it: the commit agree, then the repair
+            return _ftcoll.FAILED
         return 0
 
     def _kill_index(self) -> int:

@@ -72,7 +72,13 @@ class ScriptCollectives:
             raise phase.stop(getattr(self.job, "problem", None))
         if phase.agreed(recv, self.comm.Get_size()):
             return
-        raise phase.stop(phase.report(self._tags(send), self._name_of) if self.rank == 0 else None)
+        tags = self._tags(send)
+        early = phase.left_early(tags, phase.decode(send)) if tags else None
+        if early is not None:
+            raise early
+        if self.job is not None:
+            self.job.stopped = True
+        raise phase.stop(phase.report(tags, self._name_of) if self.rank == 0 else None)
 
     def _name_of(self, index: int) -> str:
         return self.job.name_of(index) if self.job is not None else f"optimizer {index}"

@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from .. import _ftcoll
 from ..core.modes import Phase
-from . import exits, faults, launched, tether
+from . import exits, faults, launched, phase, tether
 from .collectives import ScriptCollectives
 
 T = TypeVar("T")
@@ -269,6 +269,9 @@ class FaultTolerantComm(_CommBase):
             except faults.InjectedError:        # the error phase of a kill schedule (no rank dies)
                 _ftcoll.revoke(self.comm)
                 status = _ftcoll.ERROR
+            except phase.PeerLeft:              # a peer's script ended mid-run: it leaves, the others repair
+                _ftcoll.revoke(self.comm)
+                status = _ftcoll.FAILED
             t_error = t_error or MPI.Wtime()
             if seen:
                 status = _ftcoll.FAILED

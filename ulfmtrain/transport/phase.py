@@ -24,6 +24,25 @@ FIX = ("start step loops at the committed step (`for step in range(comm.step, ma
        "collectives on every rank")
 
 
+class LeftEarly(Exception):
+    """This rank's script ended while most of its peers are still stepping alike: it leaves as a rank that failed
+    (exits.py's protocol), and they repair around it, as after a rank that calls sys.exit() mid-run."""
+
+
+class PeerLeft(Exception):
+    """A peer's script ended while this rank steps with the others: the attempt fails (they repair around it)."""
+
+
+def left_early(tags: list[tuple[int, int, int, int]], mine: tuple[int, int, int]) -> Exception | None:
+    """Where some ranks reached the end of the script and a strict majority of the others is in one transaction:
+    what this rank raises (LeftEarly at the end, PeerLeft in that transaction); None: the job stops."""
+    ended = [t for t in tags if t[1] == END]
+    going = {t[1:] for t in tags if t[1] != END}
+    if not ended or len(going) != 1 or len(ended) * 2 >= len(tags):
+        return None
+    return LeftEarly() if mine[0] == END else PeerLeft()
+
+
 class PhaseError(SystemExit):
     """The ranks are not in the same transaction (or a replacement could not take the state): the job ends with
     status 1 on every rank; the line saying why is printed once, before it is raised."""
