@@ -136,8 +136,7 @@ class JobState:
 
     def name_of(self, index: int) -> str:
         """The name of the index-th optimizer (phase check lines)."""
-        names = [n for n, _ in self.entries.items() if any(n == o.name for o in self.optimizers)]
-        return names[index] if 0 <= index < len(names) else f"optimizer {index}"
+        return self.optimizers[index].name if 0 <= index < len(self.optimizers) else f"optimizer {index}"
 
     def register(self, name: str, get: Getter, set: Setter) -> None:
         """Make (get, set) part of the state under `name`; a replacement that received it loads it now."""
@@ -153,8 +152,8 @@ class JobState:
         """comm.track(): objects with state_dict()/load_state_dict() and plain values (see ScriptCollectives)."""
         for name, value in named.items():
             if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-                self.objects[name] = value
                 self.register(name, value.state_dict, value.load_state_dict)
+                self.objects[name] = value
                 continue
             if name in self.entries or name in self.values:
                 raise ValueError(f"comm.track({name}=...): the job's state has a {name!r} already")
@@ -249,7 +248,7 @@ class JobState:
         if self._restore_due:
             self._restore()
         self.catching_up, self._received = False, None
-        missing = sorted(self.pending) + sorted(self.pending_values)
+        missing = sorted([*self.pending, *self.pending_values])
         if missing and self.problem is None:
             self.problem = (f"ulfmtrain: error: the survivors hold {', '.join(map(repr, missing))}, which this "
                             f"replacement (slot {self.comm.world_rank}) did not register before its first step: "

@@ -10,6 +10,7 @@ that actually contributed, whatever the world size and the batch sizes.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -194,6 +195,8 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
 
     def register_state(self, name: str, obj: Any) -> None:
         """Deprecated: `comm.track(name=obj)` (kept for one release)."""
+        warnings.warn("opt.register_state(name, obj) is deprecated: use comm.track(name=obj)", DeprecationWarning,
+                      stacklevel=2)
         self.job.track(**{name: obj})
 
     def _expect_samples(self, samples: int | None) -> None:
