@@ -181,3 +181,33 @@ def test_a_closure_with_sgd_or_adam_and_a_spare_ends_bit_identical(tmp_path, kin
     proc, got = launch("closure.py", tmp_path / "spare", kind, spares=1, kill="2@4:forward")
     assert proc.returncode == 0, proc.stderr[-3000:]
     same_as(got, free, "checksum", steps="losses")
+
+
+@pytest.mark.timeout(BOUND_S)
+def test_a_collective_on_one_rank_only_stops_the_job_with_one_line(tmp_path):
+    """Slot 2 alone reduces one more metric at step 3: its reduction would have met its peers' next step (a hang
+    or a mis-sum).  Every rank ends with status 1; one line says where each was."""
+    proc, _ = launch("metric_loop.py", tmp_path, "2@3:extra")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if "out of phase" in x]
+    assert len(lines) == 1 and "slot 2 in comm.allreduce(max) after step 4" in lines[0], proc.stderr[-3000:]
+    assert "slots 0, 1 in comm.allreduce(mean) after step 4" in lines[0], lines
+
+
+@pytest.mark.long
+@pytest.mark.timeout(BOUND_S)
+def test_optimizers_stepped_in_another_order_on_one_rank_stop_the_job(tmp_path):
+    proc, _ = launch("gan.py", tmp_path, "1@3:swap")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if "out of phase" in x]
+    assert len(lines) == 1 and "slot 1 in opt1.step() of step 3" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(BOUND_S)
+def test_replicas_that_end_different_in_a_script_end_the_job_with_status_1(tmp_path):
+    """Slot 2 changes a weight by hand after its loop.  Before: nothing checked a script's replicas, exit 0.  Now
+    the end check: status 1 and one line naming the slot and the step."""
+    proc, got = launch("step_loop.py", tmp_path, "restart", "2@nudge")
+    assert proc.returncode == 1 and sorted(got) == [0, 1, 2], proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if "replicas ended different" in x]
+    assert len(lines) == 1 and "after step 12: slot 2 holds another state than slot 0" in lines[0], lines

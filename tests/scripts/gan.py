@@ -2,9 +2,10 @@
 
 `launch -n 3 [--spares 1] -- python gan.py OUT [DIE]`.  Each slot's real data and noise are functions of
 (slot, iteration), so a replacement trains on the dead rank's data.  DIE = SLOT@ITER:WHERE makes that slot
-SIGKILL itself at iteration ITER, WHERE `d` (before D's step) or `g` (after D's step committed, before G's);
-kills of $ULFMTRAIN_KILL fire too.  Each training rank that ends writes OUT/rank<slot>.json: a checksum of
-both models and both optimizers, the iterations each optimizer committed, and whether it took a dead slot.
+SIGKILL itself at iteration ITER, WHERE `d` (before D's step) or `g` (after D's step committed, before G's),
+or (WHERE `swap`) step G before D there, a bug; kills of $ULFMTRAIN_KILL fire too.  Each training rank that
+ends writes OUT/rank<slot>.json: a checksum of both models and both optimizers, the iterations each optimizer
+committed, and whether it took a dead slot.
 """
 import json
 import os
@@ -37,20 +38,32 @@ def maybe_die(it: int, where: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-for it in range(comm.step, ITERS):
-    g = torch.Generator().manual_seed(1000 * comm.world_rank + it)
-    real, z = torch.randn(16, 8, generator=g) * 0.5 + 1.0, torch.randn(16, 4, generator=g)
-    ones, zeros = torch.ones(16, 1), torch.zeros(16, 1)
-    maybe_die(it, "d")
+def step_d(real, z, ones, zeros):
     opt_d.zero_grad()
     loss_d = (F.binary_cross_entropy_with_logits(D(real), ones)
               + F.binary_cross_entropy_with_logits(D(G(z).detach()), zeros))
     loss_d.backward()
     opt_d.step()
-    maybe_die(it, "g")
+
+
+def step_g(z, ones):
     opt_g.zero_grad()
     F.binary_cross_entropy_with_logits(D(G(z)), ones).backward()
     opt_g.step()
+
+
+for it in range(comm.step, ITERS):
+    g = torch.Generator().manual_seed(1000 * comm.world_rank + it)
+    real, z = torch.randn(16, 8, generator=g) * 0.5 + 1.0, torch.randn(16, 4, generator=g)
+    ones, zeros = torch.ones(16, 1), torch.zeros(16, 1)
+    maybe_die(it, "d")
+    if die == f"{comm.world_rank}@{it}:swap":
+        step_g(z, ones)
+        step_d(real, z, ones, zeros)
+        continue
+    step_d(real, z, ones, zeros)
+    maybe_die(it, "g")
+    step_g(z, ones)
 
 crc = 0
 for obj in (G, D, opt_g, opt_d):

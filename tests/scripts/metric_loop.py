@@ -3,7 +3,8 @@ metric_loop.py OUT [DIE]`.
 
 After each step every rank reduces its loss over the ranks (comm.allreduce, the mean) and, every 4 steps, waits at
 comm.barrier().  DIE = SLOT@STEP:WHERE: that slot SIGKILLs itself at STEP, WHERE `metric` (its peers are in the
-metric's reduction) or `start` (before any step: its peers reduce a first metric before the optimizer exists).
+metric's reduction) or `start` (before any step: its peers reduce a first metric before the optimizer exists);
+WHERE `extra`: that slot alone reduces one more metric at STEP, a bug.
 Each training rank that ends writes OUT/rank<slot>.json: a checksum, the metrics it saw, the world history.
 """
 import json
@@ -43,6 +44,8 @@ for step in range(comm.step, STEPS):
     loss.backward()
     opt.step()
     maybe_die(step, "metric")
+    if die == f"{comm.world_rank}@{step}:extra":
+        comm.allreduce(loss.detach(), op="max")
     metrics[step] = comm.allreduce(loss.detach(), op="mean").item()
     if step % 4 == 3:
         comm.barrier()

@@ -5,7 +5,8 @@ MODE `resume`: the loop starts at the committed step (`range(comm.step, STEPS)`)
 tracked counter (`state = comm.track(global_step=0)`), so a replacement resumes both.  MODE `restart`: the
 habit of a script written for one process, `range(STEPS)` and a plain `global_step`; a replacement starts them
 over.  Each slot's batch is a function of (slot, step).  DIE = SLOT@STEP: that slot SIGKILLs itself at STEP
-(rank 0 included); kills of $ULFMTRAIN_KILL fire too.  Each training rank that ends writes OUT/rank<slot>.json.
+(rank 0 included); DIE = SLOT@nudge: after the loop that slot changes a weight by hand, a bug that nothing
+reduces; kills of $ULFMTRAIN_KILL fire too.  Each training rank that ends writes OUT/rank<slot>.json.
 """
 import json
 import os
@@ -44,6 +45,9 @@ for step in steps:
     F.cross_entropy(model(x), y).backward()
     opt.step()
     state.global_step += 1
+if die == f"{comm.world_rank}@nudge":
+    with torch.no_grad():
+        model[0].bias.add_(1e-3)
 with open(os.path.join(out, f"rank{comm.world_rank}.json"), "w") as f:
     json.dump({"checksum": opt.checksum(), "global_step": state.global_step, "lr": opt.param_groups[0]["lr"],
                "joined": joined, "history": comm.world_history}, f)

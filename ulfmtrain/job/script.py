@@ -39,9 +39,10 @@ def connect(events: str | Path | None = None, *, require_fault_tolerance: bool |
     Under `launch -n N`: a FaultTolerantComm over the N ranks, with the job's named state (comm.track) and, at
     the script's end, the end check (status 1 and one line if the replicas ended different or out of phase).
     With `--spares K` a spare waits here until a rank dies, then returns as that rank (the first thing it
-    makes, its optimizer, receives the live state); a spare never needed ends here, with status 0.  With `--replace respawn` a replacement process runs this script again and returns
-    here too.  Without mpirun: a world of one, after one warning line, unless `require_fault_tolerance`
-    (or $ULFMTRAIN_REQUIRE_FT=1), which refuses with one line and status 2.
+    makes, its optimizer, receives the live state); a spare never needed ends here, with status 0.  With
+    `--replace respawn` a replacement process runs this script again and returns here too.  Without mpirun:
+    a world of one, after one warning line, unless `require_fault_tolerance` (or $ULFMTRAIN_REQUIRE_FT=1),
+    which refuses with one line and status 2.
 
     Args:
         events: a directory for the event log (rank<slot>.jsonl: recoveries, and the sampler's audit

@@ -82,10 +82,9 @@ class RespawnComm(SpareComm):
         self._batch_seen = False           # a batch existed at the last boundary
         self._repaired = False             # a repair happened in the transaction in flight
         self._join_listeners: list[JoinListener] = []
-        # Called at the boundary before a join (the trainer: a durable checkpoint after that step's update), so a
-        # job that a death inside the merge ends resumes at most a step back; the join waits one boundary for it.
+        # Called at the boundary that decides a join (the trainer: a durable checkpoint after that step's update,
+        # before the join at the next step's start), so a job that a death inside the merge ends redoes no step.
         self.before_join: Callable[[], None] | None = None
-        self._saved_for_join = False
         self._join_due: tuple[Batch | None] | None = None   # decided at a boundary, done at the next step's start
         self.joined: dict[str, Any] | None = None    # a newcomer: what it logs about its join
         parent = MPI.Comm.Get_parent()
@@ -150,7 +149,6 @@ class RespawnComm(SpareComm):
             super()._repair(what, committed, t_start, t_error, agree_ms)
         finally:            # also when a repair at start-up starts it over (StartOver): refill after it
             self._repaired = self._spawn_wanted = True
-            self._saved_for_join = False
             self._join_due = None         # decided on bits that a dead rank sent: decided again
             self._retries = 0
 
@@ -177,11 +175,9 @@ class RespawnComm(SpareComm):
             elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
                 # (A waiting spare would not take part: a newcomer joins once none is left.)  One newcomer
                 # per boundary; the next one, if any, at the next.
-                if self.before_join is not None and not self._saved_for_join:
-                    self._saved_for_join = True
+                if self.before_join is not None:
                     self.before_join()
-                    return
-                self._batch_seen = self._saved_for_join = False
+                self._batch_seen = False
                 self._join_due = (s,)
             return
         if self._batch_seen:                             # gone without a join: its owner died

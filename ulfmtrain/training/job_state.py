@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -31,7 +31,17 @@ from .rng import JobRng
 
 if TYPE_CHECKING:
     from ..transport.comm import Comm
-    from .optim import DistributedOptimizer
+
+
+class DistributedOptimizer(Protocol):
+    """What the job's state needs of a DistributedOptimizer (optim.py, which imports this module)."""
+
+    name: str
+    step_count: int
+    optimizer: torch.optim.Optimizer
+
+    def _entry(self) -> dict[str, Any]: ...
+    def _load_entry(self, entry: dict[str, Any]) -> None: ...
 
 BCAST = 8                   # in_flight's kind for an optimizer's initial broadcast (phase.py's kinds are below it)
 PLAIN = (bool, int, float, str, type(None))

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from . import phase
 
 T = TypeVar("T")
-OPS = {"mean": MPI.SUM, "sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+OPS = {"mean": MPI.SUM, "sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}     # in phase.OPS's order
 
 
 class ScriptCollectives:
@@ -110,7 +110,7 @@ class ScriptCollectives:
         array, back = _as_array(value)
         if self._replaying(phase.COLLECTIVE):
             return value
-        tag = phase.tag(phase.COLLECTIVE, 0, self.step, payload=array.size)
+        tag = phase.tag(phase.COLLECTIVE, phase.OPS.index(op), self.step, payload=array.size)
         seen, out = np.zeros_like(tag), np.zeros_like(array)
 
         def attempt(_: int) -> float:

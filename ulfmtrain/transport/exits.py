@@ -10,7 +10,9 @@ after a failure can wait for good: docs/failures.md).  So, in a rank under `mpir
   set (the AND's identity: it decides nothing for the others).  If every member raised (a deterministic bug),
   they all end with status 1; if the others are leaving too, it ends with status 1; else a peer trains on,
   and it dies by SIGKILL so that ULFM reports it and the survivors repair.
-* The program's end (its last line, or sys.exit(n)): the same agree with LEAVING, after a grace of
+* The program's end (its last line, or sys.exit(n)): first what the layers above registered to run then
+  (before_leave: a script's end check, then the spares' release; a failed end check sets the status the
+  process ends with), then the same agree with LEAVING, after a grace of
   DONE_GRACE_S without the revoke (peers that are done come to it by themselves).  If every member is
   leaving, the process ends with its own status, without MPI_Finalize (mpirun then reports the ranks' own
   statuses: 0 after a failure survived).  If a peer trains on (this rank left early), it dies by SIGKILL.

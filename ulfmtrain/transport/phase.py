@@ -3,9 +3,9 @@ different transactions (a replacement whose script restarted its own counter, op
 order, a collective called on some ranks only) are found before any reduction whose size depends on what it is.
 
 Each rank sends, in one small fixed-size sum: its weight (a step's sample count), and for each field of the tag
-(the kind of transaction and which optimizer, the step in two 16-bit halves, the payload's size) the value and
-its square; and a problem flag (a replacement that could not take the state).  All ranks agree iff
-size * sum(v**2) == sum(v)**2 for every field (Cauchy-Schwarz, exact in float64 for these magnitudes).  The sums
+(the kind of transaction and which optimizer or reduction, the step in two 16-bit halves, the payload's size)
+the value and its square; and a problem flag (a replacement that could not take the state).  All ranks agree
+iff size * sum(v**2) == sum(v)**2 for every field (Cauchy-Schwarz, exact in float64 for these magnitudes).  The sums
 are the same on every rank, so every rank takes the same branch: on a mismatch all of them end with status 1 and
 one line, never a hang and never a SIGKILL that the others would repair around.
 """
@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 STEP, COLLECTIVE, BARRIER, END = 1, 2, 3, 4      # the kinds of transaction a script runs
+OPS = ("mean", "sum", "max", "min")              # a collective's index in its tag: its op
 WEIGHT, PROBLEM = 0, 9                           # positions in the tag vector
 SIZE = 10
 FIX = ("start step loops at the committed step (`for step in range(comm.step, max_steps)`), keep other counters "
@@ -78,7 +79,8 @@ def describe(kind: int, index: int, step: int, name_of: Callable[[int], str]) ->
     """What a rank was doing, in words."""
     if kind == STEP:
         return f"{name_of(index)}.step() of step {step}"
-    return {COLLECTIVE: f"comm.allreduce() after step {step}", BARRIER: f"comm.barrier() after step {step}",
+    op = OPS[index] if kind == COLLECTIVE and index < len(OPS) else ""
+    return {COLLECTIVE: f"comm.allreduce({op}) after step {step}", BARRIER: f"comm.barrier() after step {step}",
             END: f"the end of the script after step {step}"}.get(kind, f"transaction kind {kind} at step {step}")
 
 
