@@ -55,7 +55,7 @@ def gan_free(tmp_path_factory):
 
 
 @pytest.mark.timeout(3 * BOUND_S)
-@pytest.mark.parametrize("die", ["1@5:g", "0@7:d"])
+@pytest.mark.parametrize("die", ["1@5:g", pytest.param("0@7:d", marks=pytest.mark.long)])
 def test_a_gan_with_a_spare_ends_bit_identical(gan_free, tmp_path, die):
     """Two models and two optimizers: a spare takes the slot that died before G's step (D's committed: the spare
     must skip D's step of that iteration and join G's) or before D's (rank 0), and every slot ends with the
@@ -183,6 +183,7 @@ def test_a_closure_with_sgd_or_adam_and_a_spare_ends_bit_identical(tmp_path, kin
     same_as(got, free, "checksum", steps="losses")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(BOUND_S)
 def test_a_collective_on_one_rank_only_stops_the_job_with_one_line(tmp_path):
     """Slot 2 alone reduces one more metric at step 3: its reduction would have met its peers' next step (a hang
