@@ -88,7 +88,7 @@ def _step_impls(world: Any, a: argparse.Namespace, device: Any) -> tuple[dict[st
         def step() -> None:
             i = it["i"] = it["i"] + 1
             opt.zero_grad()
-            opt.begin_step(a.batch)
+            opt._begin_step(a.batch)
             F.cross_entropy(model(xs[i % 4]), ys[i % 4]).backward()
             opt.step(samples=a.batch)
         return step, opt
@@ -108,7 +108,7 @@ def _step_impls(world: Any, a: argparse.Namespace, device: Any) -> tuple[dict[st
     opt_c = FTSGD(model_c.parameters(), FaultTolerantComm(), lr=0.0, model=model_c)
 
     def allreduce() -> None:
-        opt_c.begin_step(a.batch)      # a new step: synchronize() reduces again (it is idempotent within one)
+        opt_c._begin_step(a.batch)      # a new step: synchronize() reduces again (it is idempotent within one)
         opt_c.synchronize(samples=a.batch)
     impls["allreduce"] = allreduce
     return impls, opt

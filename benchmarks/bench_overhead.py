@@ -3,7 +3,7 @@
 Two measurements, on the same ranks of ONE mpirun per rank count:
 
 1. allreduce of float32 buffers from 4 KiB to 64 MiB, side by side:
-   - ft:     ulfmtrain's FaultTolerantComm.allreduce (what FT-SGD calls);
+   - ft:     one transaction of FaultTolerantComm (_allreduce_into: a reduction and the commit agree);
    - ftcoll: the bare C fault path (ulfmtrain._ftcoll.allreduce_try), to tell the
              Python wrapper's cost from the C path's;
    - mpi:    plain mpi4py Comm.Allreduce, out of place, also under --with-ft ulfm;
@@ -137,7 +137,7 @@ def _allreduce_sweep(world, ft, plain, sizes: list[int], rounds: int, target_s: 
         send, recv = np.zeros(count, np.float32), np.zeros(count, np.float32)
         tensor = torch.zeros(count, dtype=torch.float32)
         ops: dict[str, Callable[[], None]] = {
-            "ft": lambda: ft.allreduce(send, recv),
+            "ft": lambda: ft._allreduce_into(send, recv),
             "ftcoll": lambda: _ftcoll.allreduce_try(ft.comm, send, recv, MPI.SUM),
             "mpi": lambda: plain.Allreduce(send, recv, op=MPI.SUM),
             "gloo": lambda: dist.all_reduce(tensor),

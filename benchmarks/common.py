@@ -167,7 +167,7 @@ def portable(cmd: Sequence[str], roots: Sequence[tuple[Path, str]] = ()) -> str:
 
 def ft_step(ft: Any, send: Any, recv: Any) -> None:
     """One fault-tolerant allreduce step, as FT-SGD takes it: one transaction, redone on the survivors."""
-    ft.allreduce(send, recv)
+    ft._allreduce_into(send, recv)
 
 
 def finalize_rank(timeout: float = 3.0) -> None:

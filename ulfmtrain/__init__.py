@@ -32,13 +32,17 @@ except PackageNotFoundError:  # a source tree that was never installed
 _LAYERS = (("core",), ("transport",), ("training", "data", "checkpoint"), ("membership",), ("job",),
            ("launching",), ("tools",))
 
-# The public API: what a training program needs.  Everything else stays importable from its module
-# (ulfmtrain.data, ulfmtrain.checkpoint, ulfmtrain.transport.faults, ...).  README.md lists these names.
+# The public API of a training script: connect() (the job), DistributedOptimizer, ExactlyOnceSampler; with
+# comm.track, opt.synchronize and comm.allreduce, the six things a script calls beyond plain PyTorch (README.md
+# lists these names).  The rest stays importable, not advertised: the `train` command's pieces, the older
+# communicator API (FaultTolerantComm, FTSGD: tests and the train command use them) and the errors; everything
+# else from its module (ulfmtrain.data, ulfmtrain.checkpoint, ulfmtrain.transport.faults, ...).
 _EXPORTS = {
+    "connect": "job.script", "DistributedOptimizer": "training.optim", "ExactlyOnceSampler": "data.loader",
+}
+_IMPORTABLE = {
     "FaultTolerantComm": "transport.comm", "FaultToleranceUnavailable": "transport.comm",
-    "FaultPathError": "transport.comm",
-    "DistributedOptimizer": "training.optim", "FTSGD": "training.optim",
-    "distributed_sampler": "data", "ExactlyOnceSampler": "data.loader", "connect": "job.script",
+    "FaultPathError": "transport.comm", "FTSGD": "training.optim", "distributed_sampler": "data",
     "Trainer": "training.trainer", "TrainConfig": "training.config",
     "Checkpointer": "checkpoint", "CheckpointError": "checkpoint",
     "digits_to_dataset": "data", "arrays_to_dataset": "data", "DatasetError": "data",
@@ -48,8 +52,9 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    module = _EXPORTS.get(name) or _IMPORTABLE.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ulfmtrain' has no attribute {name!r}")

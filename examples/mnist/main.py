@@ -122,14 +122,15 @@ def main():
     dataset1 = torch.utils.data.TensorDataset(x[:1500], y[:1500])
     dataset2 = torch.utils.data.TensorDataset(x[1500:], y[1500:])
     model = Net().to(device)
-    optimizer = ulfmtrain.DistributedOptimizer(optim.Adadelta(model.parameters(), lr=args.lr), comm, model=model)
-    optimizer.seed_each_step(args.seed)  # a replacement draws the dropout masks of the rank it replaces
-    sampler = ulfmtrain.ExactlyOnceSampler(len(dataset1), comm, optimizer, batch_size=args.batch_size, seed=args.seed)
+    # seed: a replacement draws the dropout masks of the rank it replaces
+    optimizer = ulfmtrain.DistributedOptimizer(optim.Adadelta(model.parameters(), lr=args.lr), comm, model=model,
+                                               seed=args.seed)
+    sampler = ulfmtrain.ExactlyOnceSampler(len(dataset1), comm, batch_size=args.batch_size, seed=args.seed)
     train_loader = torch.utils.data.DataLoader(dataset1, batch_sampler=sampler, num_workers=args.num_workers)
     test_loader = torch.utils.data.DataLoader(dataset2, **test_kwargs)
 
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
-    optimizer.register_state("scheduler", scheduler)
+    comm.track(scheduler=scheduler)
     for epoch in sampler.epochs(1, args.epochs + 1):
         train(args, model, device, train_loader, optimizer, epoch)
         test(model, device, test_loader)

@@ -112,10 +112,10 @@ else:
 
 criterion = nn.NLLLoss()
 if args.use_optimizer:
-    optimizer = ulfmtrain.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), comm, model=model)
-    optimizer.seed_each_step(args.seed)
+    optimizer = ulfmtrain.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), comm, model=model,
+                                               seed=args.seed)
 windows = [(corpus.train[i:i+args.bptt], corpus.train[i+1:i+1+args.bptt]) for i in range(0, len(corpus.train) - args.bptt - 1, args.bptt)]
-sampler = ulfmtrain.ExactlyOnceSampler(len(windows), comm, optimizer, batch_size=args.batch_size, seed=args.seed)
+sampler = ulfmtrain.ExactlyOnceSampler(len(windows), comm, batch_size=args.batch_size, seed=args.seed)
 train_loader = torch.utils.data.DataLoader(windows, batch_sampler=sampler, num_workers=args.num_workers)
 
 ###############################################################################

@@ -256,9 +256,10 @@ def test_open_mpi_returns_from_a_death_in_intercomm_create_and_not_in_merge(mpi,
 
 @pytest.mark.timeout(2 * BOUND_S)
 def test_a_newcomer_gets_the_stepped_schedule_and_the_updated_scaler(mpi, digits_dir, tmp_path):
-    """A newcomer joins at a step's commit and is handed the state after that step's scaler update and
-    scheduler step, not right after the optimizer's update: before the fix (defer_handover) it started
-    one step behind (its lr and growth count differed) and the replicas ended inconsistent."""
+    """A newcomer is handed the state after a step's scaler update and scheduler step (at the start of the
+    next step), not right after the optimizer's update: before the first fix it started one step behind (its
+    lr and growth count differed) and the replicas ended inconsistent; the trainer then wrapped those lines
+    (defer_handover), which no loop needs now."""
     argv = ["train", "--data", str(digits_dir), "--epochs", "2", "--batch", "48", *TRAIN, "--model", "cnn",
             "--dropout", "0.3", "--lr-schedule", "cosine", "--amp", "--kill", "1@4"]
     ends, _, _ = mpi.train_slots(3, argv, tmp_path, 2, BOUND_S, [0, 1, 2])    # one replica, every record once
@@ -269,9 +270,10 @@ def test_a_newcomer_gets_the_stepped_schedule_and_the_updated_scaler(mpi, digits
 @pytest.mark.timeout(2 * BOUND_S)
 def test_a_newcomer_that_joins_where_a_checkpoint_is_due_takes_part_in_it(mpi, digits_dir, tmp_path):
     """A checkpoint every 2 steps: a join lands on a boundary where a save is due (a collective: the blocking
-    save's agree).  The newcomer, which starts after that step's update, took no part in it, so the survivors
+    save's agree).  The newcomer, which started after that step's update, took no part in it, so the survivors
     waited in the save and the newcomer in the next step, until its step watchdog ended it (status 3, seen
-    twice in the fuzzer's seed 116).  It now takes that boundary's checkpoint decision too."""
+    twice in the fuzzer's seed 116).  The join now comes at the start of the next step, after the boundary's
+    save, and the newcomer takes part in every save after it."""
     end, logs, _ = train(mpi, digits_dir, tmp_path / "run", 3, 0, 2, "1@3",
                          args=("--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2", "--step-timeout", "30"))
     joined = respawns(logs, 0, "joined")

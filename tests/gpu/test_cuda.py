@@ -50,7 +50,7 @@ def test_device_buckets_are_staged_through_pinned_memory(fake_comm, dtype, overl
             assert b.send.is_pinned() and b.recv.is_pinned()
     x = torch.randn(8, 32, device=device, dtype=dtype)
     opt.zero_grad()
-    opt.begin_step(8)
+    opt._begin_step(8)
     loss = model(x).float().pow(2).mean()
     # the local gradient, read before backward (autograd.grad fills no .grad): the reference
     local = torch.autograd.grad(loss, opt.params, retain_graph=True)

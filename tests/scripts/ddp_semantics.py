@@ -38,7 +38,7 @@ with open(os.path.join(out, f"rank{w}.jsonl"), "w") as f:
         n = 5 + w
         x, y = torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
         opt.zero_grad()
-        opt.begin_step(samples=n)
+        opt._begin_step(samples=n)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         local = torch.autograd.grad(loss, params, retain_graph=True)
         # the line goes out before backward: the dead rank's contribution to the steps it finished is known

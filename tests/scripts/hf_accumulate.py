@@ -45,8 +45,7 @@ train_set, test_set = TensorDataset(x[:args.records], y[:args.records]), TensorD
 model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
                             torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
 opt = ulfmtrain.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), comm, model=model,
-                                     overlap=args.overlap, bucket_bytes=1024)
-opt.seed_each_step(3)
+                                     overlap=args.overlap, bucket_bytes=1024, seed=3)
 plan = {} if args.no_plan else {"accumulate": args.k}
 if args.drop_last:
     plan["drop_last"] = True
@@ -54,7 +53,7 @@ sampler = ulfmtrain.ExactlyOnceSampler(len(train_set), comm, opt, batch_size=arg
 loader = DataLoader(train_set, batch_sampler=sampler, num_workers=args.workers)
 warmup = 4
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-opt.register_state("sched", sched)
+comm.track(sched=sched)
 autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
 norms, accuracy = [], []
 

@@ -1,7 +1,7 @@
 """A user's own script with mixed precision, run by `launch -n 3 [--spares K] -- python scaler_spare.py OUT`.
 
 ulfmtrain.connect(); float16 autocast with a GradScaler (a small growth interval, so its scale moves), an
-AdamW with a cosine schedule and dropout, both registered with opt.register_state; seed_each_step for the
+AdamW with a cosine schedule and dropout, the schedule and the scaler tracked (comm.track); seed= for the
 dropout masks.  At step 2 slot 2's loss is infinite: every rank skips that update and backs off alike.  Each
 slot's batch is a function of (slot, step), so a replacement trains on the dead rank's data.  Kills come from
 $ULFMTRAIN_KILL.  Each training rank that ends writes OUT/rank<slot>.json: checksum, the scale after each step
@@ -23,12 +23,10 @@ joined = getattr(comm, "takeover", None) is not None
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 4))
 opt = ulfmtrain.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), comm, model=model,
-                                     bucket_bytes=256)
-opt.seed_each_step(7)
+                                     bucket_bytes=256, seed=7)
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-opt.register_state("lr_schedule", sched)
-opt.register_state("grad_scaler", scaler)
+comm.track(lr_schedule=sched, grad_scaler=scaler)
 scales = {}
 while opt.step_count < STEPS:
     step, slot = opt.step_count, comm.world_rank

@@ -30,9 +30,8 @@ joined = comm.takeover is not None
 faults.arm([k for k in faults.parse_kills(["1@4"]) if not joined], comm.world_rank)
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 4)
-opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model, broadcast=not joined)
-if joined:
-    opt.handover(comm.takeover["root"], receive=True)
+# A rank that took a slot receives the survivors' state here (the job's state, by name).
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model)
 g = torch.Generator().manual_seed(1)
 # Respawn: train on until the newcomer has joined (the size is the same on every rank at each boundary), bounded;
 # 30 steps of this model can end before a spawned process is ready on a loaded machine.

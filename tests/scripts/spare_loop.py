@@ -43,11 +43,10 @@ torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
 x, y = torch.randn(1200, 8, generator=g), torch.randint(0, 4, (1200,), generator=g)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+# A rank that took a slot receives the survivors' state here: model, optimizer, step, and the sampler's once it is made.
 opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm, model=model, bucket_bytes=256,
-                           broadcast=not joined, scale_lr=mode == "respawn")
+                           scale_lr=mode == "respawn")
 sampler = distributed_sampler(comm, opt, len(y), 16, seed=3)
-if joined:          # the survivors' committed state: model, optimizer, step, sampler
-    opt.handover(comm.takeover["root"], receive=True)
 for epoch in range(sampler.epoch, 20 if mode == "respawn" else 3):
     if epoch != sampler.epoch:
         sampler.start_epoch(epoch)

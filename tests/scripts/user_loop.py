@@ -38,7 +38,7 @@ log = EventLog(out, comm.world_rank)
 arm(parse_kills(sys.argv[2:], comm.size), comm.world_rank, log)
 log("start", count=len(y), config={"data_policy": "exactly-once"})
 batch = torch.empty(0, dtype=torch.long)
-opt.add_attempt_hook(lambda step, attempt: log("audit", step=step, attempt=attempt, epoch=sampler.epoch,
+opt._add_attempt_hook(lambda step, attempt: log("audit", step=step, attempt=attempt, epoch=sampler.epoch,
                                                ids=batch.tolist()))
 for epoch in range(EPOCHS):
     if epoch:

@@ -65,7 +65,7 @@ class FakeTrainer:
         self.comm = FakeComm(size)
         self.opt = FTSGD(self.model.parameters(), self.comm, lr=0.1, momentum=0.9, model=self.model)
         self.position = [0, 0]       # epoch, steps in it: stands in for the sampler state
-        self.opt.register_extra_state("position", lambda: list(self.position), self._set)
+        self.opt._register_extra_state("position", lambda: list(self.position), self._set)
         self.spe = spe
         self.records: list[dict] = []
         faults.arm(kills, 0)
@@ -90,10 +90,10 @@ class FakeTrainer:
         return self.position[1] >= self.spe
 
     def replica_state(self) -> bytes:
-        return self.opt.get_state()
+        return self.opt.job.payload()
 
     def load_replica_state(self, blob: bytes) -> None:
-        self.opt.set_state(blob)
+        self.opt.job.load(blob)
 
     def log(self, event: str, **fields: Any) -> None:
         self.records.append({"event": event, **fields})
@@ -156,7 +156,7 @@ def test_round_trip_restores_everything(tmp_path: Path) -> None:
     assert (ck.step, ck.header["epoch"], ck.header["records_done"], ck.header["world_size"]) == (7, 1, 15, 4)
     other = FakeTrainer(seed=99)
     assert other.opt.checksum() != tr.opt.checksum()
-    other.opt.set_state(ck.sections["replica"])
+    other.opt.job.load(ck.sections["replica"])
     assert other.opt.checksum() == tr.opt.checksum()          # model, momentum buffers and step
     assert other.position == [1, 3]                           # the sampler position (registered extra state)
     assert other.opt.optimizer.state_dict()["state"]         # optimizer state is really there
@@ -415,7 +415,7 @@ def test_overlapped_writes_what_was_captured_not_what_training_did_next(tmp_path
         tr.train_step()
     ck.close()
     back = FakeTrainer(seed=3)
-    back.opt.set_state(read_checkpoint(tmp_path / "ckpt-000002.pt").sections["replica"])
+    back.opt.job.load(read_checkpoint(tmp_path / "ckpt-000002.pt").sections["replica"])
     assert back.opt.checksum() == at_capture
     written = [r for r in tr.records if r["event"] == "checkpoint_written"]
     assert [r["step"] for r in written] == [0, 2] and all(r["write_ms"] > 0 for r in written)

@@ -22,16 +22,16 @@ class Opt:
     def __init__(self) -> None:
         self.commit_hooks, self.attempt_hooks, self.extra, self.samples, self.step_count = [], [], {}, None, 0
 
-    def add_commit_hook(self, fn):
+    def _add_commit_hook(self, fn):
         self.commit_hooks.append(fn)
 
-    def add_attempt_hook(self, fn):
+    def _add_attempt_hook(self, fn):
         self.attempt_hooks.append(fn)
 
-    def register_extra_state(self, name, get, set):
+    def _register_extra_state(self, name, get, set):
         self.extra[name] = (get, set)
 
-    def expect_samples(self, n):
+    def _expect_samples(self, n):
         self.samples = n
 
     def commit(self):

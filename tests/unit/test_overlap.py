@@ -22,7 +22,7 @@ def train(fake_comm, overlap, micro=1, steps=4, **kw):
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         opt.zero_grad()
-        opt.begin_step(samples=5 * micro)
+        opt._begin_step(samples=5 * micro)
         for m in range(micro):
             x, y = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
             ctx = opt.no_sync() if m < micro - 1 else torch.enable_grad()
@@ -52,7 +52,7 @@ def test_a_second_backward_outside_no_sync_is_refused_with_one_line(fake_comm, c
     model, _, opt = make(fake_comm, True)
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
     opt.zero_grad()
-    opt.begin_step(5)
+    opt._begin_step(5)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(Refused):
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -65,5 +65,5 @@ def test_samples_given_after_an_overlapped_backward_must_match_begin_step(fake_c
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()     # weighted 1: no begin_step
-    with pytest.raises(ValueError, match="begin_step"):
+    with pytest.raises(ValueError, match="known before backward"):
         opt.step(samples=5)

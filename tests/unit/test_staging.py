@@ -69,7 +69,7 @@ def run(streams, overlap, fail_at=None, steps=4, clip=None):
     grads = []
     for x, y in data[:steps]:
         opt.zero_grad()
-        opt.begin_step(samples=5)
+        opt._begin_step(samples=5)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -165,7 +165,7 @@ def test_overlap_finishes_the_step_in_backward_with_the_mean_gradient():
                     staging=streams)
         x, y = data[0]
         opt.zero_grad()
-        opt.begin_step(5)
+        opt._begin_step(5)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         assert opt.step_count == 1                                 # committed inside backward
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ga[0]))
@@ -180,7 +180,7 @@ def test_a_second_backward_after_the_reduction_is_refused():
     opt = FTSGD(model.parameters(), FailingComm(), lr=0.1, model=model, bucket_bytes=256, overlap=True)
     x, y = data[0]
     opt.zero_grad()
-    opt.begin_step(5)
+    opt._begin_step(5)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(Refused):           # one line, no traceback (test_overlap.py)
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -217,7 +217,7 @@ def test_an_exception_in_backward_leaves_no_state_for_the_next_step(streams):
         for i, (x, y) in enumerate(data):
             for attempt in range(2):
                 opt.zero_grad()
-                opt.begin_step(5)
+                opt._begin_step(5)
                 _Boom.armed = boom and i == 1 and attempt == 0
                 try:
                     out = head(_Boom.apply(body(x)))
@@ -239,10 +239,10 @@ def test_an_exception_in_backward_after_a_bucket_was_sent_is_one_clear_error():
     opt = FTSGD(model.parameters(), FailingComm(), lr=0.1, model=model, bucket_bytes=256, overlap=True)
     x, y = data[0]
     opt.zero_grad()
-    opt.begin_step(5)
+    opt._begin_step(5)
     _Boom.armed = True          # raises at the input layer: the head's buckets were sent already
     with pytest.raises(torch.OutOfMemoryError):
         torch.nn.functional.cross_entropy(head(_Boom.apply(body(x))), y).backward()
     with pytest.raises(OverlapError, match="cannot join it again"):
-        opt.begin_step(5)
+        opt._begin_step(5)
     opt.close()

@@ -17,7 +17,7 @@ The first four rows are the framing shared with dataset files
 The header records the step, epoch, sampler position, world size, steps per
 epoch, the model's tensor names/shapes/dtypes, and each section's length; its
 ``crc32`` field is the checksum of all section bytes.  The sections are
-``replica`` (``DistributedOptimizer.get_state()``: model, optimizer state,
+``replica`` (the job's named state, ``JobState.payload()``: model, optimizer state,
 step and registered extra state such as the sampler position) and ``rng``
 (the Python, NumPy and torch generator states), both written by torch.save
 and read by torch.load(weights_only=True): a checkpoint holds data, never

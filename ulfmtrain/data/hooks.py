@@ -1,8 +1,7 @@
 """What ExactlyOnceSampler needs of the job, in one place: the only seam between the sampler and the optimizer.
 
-Today these are the DistributedOptimizer's hooks (add_commit_hook, add_attempt_hook, register_extra_state,
-expect_samples) and its overlap; a per-job state that holds the sampler by name replaces them here, and
-nowhere else.
+The steps that consume batches are one DistributedOptimizer's, or the job's (training/job_state.py: with several
+optimizers, the one that stepped least); the sampler's state is part of the job's named state ("sampler").
 """
 from __future__ import annotations
 
@@ -13,20 +12,26 @@ if TYPE_CHECKING:
     import torch
 
     from ..training.optim import DistributedOptimizer
+    from ..transport.comm import Comm
 
 
 class SamplerHooks:
     """The commits, attempts, replicated state and step weights of the optimizer whose steps consume batches."""
 
-    def __init__(self, opt: DistributedOptimizer) -> None:
+    def __init__(self, opt: DistributedOptimizer | None, comm: Comm) -> None:
         import torch  # here: ulfmtrain.data imports without torch
 
-        self.opt = opt
+        from ..training.job_state import JobState
+
+        self.job = JobState.of(comm)
+        self.opts = [opt] if opt is not None else list(self.job.optimizers)
+        self.steps: Any = opt if opt is not None else self.job       # whose commits advance the sampler
         self._graph_task = torch._C._current_graph_task_id
         self._task, self.backwards = -1, 0
-        # Backward passes through the model, counted on its parameters (a pass fires several: one count each).
-        for p in opt.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        # Backward passes through the models, counted on their parameters (a pass fires several: one count each).
+        for o in self.opts:
+            for p in o.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, _: torch.Tensor) -> None:
         task = self._graph_task()
@@ -35,30 +40,30 @@ class SamplerHooks:
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """fn() on every rank when a step commits."""
-        self.opt.add_commit_hook(fn)
+        self.steps._add_commit_hook(fn)
 
     def on_attempt(self, fn: Callable[[int, int], None]) -> None:
         """fn(step, attempt) before this rank's first contribution to each attempt of a step."""
-        self.opt.add_attempt_hook(fn)
+        self.steps._add_attempt_hook(fn)
 
     def track(self, name: str, get: Callable[[], Any], set: Callable[[Any], None]) -> None:
         """Part of the state every replica keeps and a replacement receives (loaded here on a replacement)."""
-        self.opt.register_extra_state(name, get, set)
+        self.job.register(name, get, set)
 
     def expect(self, samples: int) -> None:
         """This rank's samples in the next step: its weight in the gradient mean."""
-        self.opt.expect_samples(samples)
+        self.steps._expect_samples(samples)
 
     @property
     def step(self) -> int:
-        """The optimizer's committed steps."""
-        return self.opt.step_count
+        """The committed steps (the optimizer's, or the job's)."""
+        return self.steps.step_count if self.steps is not self.job else self.job.step
 
     @property
     def overlapped(self) -> bool:
         """Backward reduces the gradients (outside no_sync())."""
-        return self.opt.overlap is not None
+        return any(o.overlap is not None for o in self.opts)
 
     def quiet_backwards(self) -> int:
         """Backward passes inside no_sync() since the last step (with overlap; 0 without)."""
-        return self.opt.overlap.quiet_backwards if self.opt.overlap is not None else 0
+        return max((o.overlap.quiet_backwards for o in self.opts if o.overlap is not None), default=0)

@@ -47,17 +47,18 @@ _live: weakref.WeakSet[ExactlyOnceSampler] = weakref.WeakSet()
 
 
 class ExactlyOnceSampler:
-    """A batch sampler: `DataLoader(dataset, batch_sampler=ExactlyOnceSampler(len(dataset), comm, opt, ...))`.
+    """A batch sampler: `DataLoader(dataset, batch_sampler=ExactlyOnceSampler(len(dataset), comm, ...))`.
 
     Every record is trained on exactly once per epoch, across failures, with any num_workers and
-    prefetching.  It advances when a step of `opt` commits and is part of the state a replacement receives.
+    prefetching.  It advances when a step of `opt` commits (default: the job's step, comm.step: with several
+    optimizers, when the one that stepped least steps) and is part of the state a replacement receives.
     Do not pass samples to opt.step(): the sampler gives each step's weight.  At the end of the script the
     ranks judge that every epoch was exact; a job that was not ends with status 1 and one line.
 
     Args:
         count: the number of records (len(dataset)); indices 0..count-1.
         comm: the communicator (ulfmtrain.connect()).
-        opt: the DistributedOptimizer whose steps consume the batches.
+        opt: the DistributedOptimizer whose steps consume the batches (default: the job's steps).
         batch_size: records per micro-batch (at most).
         seed: the permutations' seed (the same on every rank).
         accumulate: micro-batches per optimizer step (gradient accumulation: the loop steps once every
@@ -66,15 +67,15 @@ class ExactlyOnceSampler:
             audited as dropped), as DistributedSampler's and DataLoader's drop_last=True.
     """
 
-    def __init__(self, count: int, comm: Comm, opt: DistributedOptimizer, *, batch_size: int, seed: int = 0,
-                 accumulate: int = 1, drop_last: bool = False) -> None:
+    def __init__(self, count: int, comm: Comm, opt: DistributedOptimizer | None = None, *, batch_size: int,
+                 seed: int = 0, accumulate: int = 1, drop_last: bool = False) -> None:
         if count < 1:
             raise ValueError(f"ExactlyOnceSampler needs at least one record, got count={count}")
         if batch_size < 1 or accumulate < 1:
             raise ValueError(f"ExactlyOnceSampler(batch_size={batch_size}, accumulate={accumulate}): give "
                              "positive numbers")
         self.count, self.comm, self.batch, self.k, self.drop_last = count, comm, batch_size, accumulate, drop_last
-        self.hooks = SamplerHooks(opt)
+        self.hooks = SamplerHooks(opt, comm)
         self.queues = EpochSampler(holdings_of(count, comm.alive), batch_size, seed)
         self.epoch = 0
         self.plan: dict[int, list[Step]] = {}          # slot -> its micro-batches at each step of this epoch

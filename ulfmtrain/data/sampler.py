@@ -178,11 +178,11 @@ def distributed_sampler(comm: Comm, opt: DistributedOptimizer, count: int, batch
         if event.removed:
             sampler.remove(event.removed, plan_recovery(sampler.holdings, event.removed).holdings)
 
-    opt.add_commit_hook(sampler.commit)
-    opt.register_extra_state("sampler", sampler.state, sampler.load_state)
+    sampler.start_epoch(0)      # before it is registered: a replacement loads the survivors' state there
+    opt._add_commit_hook(sampler.commit)
+    opt._register_extra_state("sampler", sampler.state, sampler.load_state)
     comm.add_listener(replan)
     if hasattr(comm, "add_join_listener"):       # a RespawnComm: a newcomer's slot gets its share again
         comm.add_join_listener(lambda rec: sampler.rebalance(holdings_of(count, comm.alive))
                                if rec["status"] == "joined" and rec["slots"] else None)
-    sampler.start_epoch(0)
     return sampler

@@ -166,10 +166,8 @@ def run(job: TrainJob) -> int:
             print(f"{PROG}: {summary['steps']} steps, world {summary['world_history']}{tail}", flush=True)
         if not summary.get("consistent", True):
             # The final check is an agreed value: every rank returns this status alike.
-            if comm.rank == 0:
-                print(f"{PROG}: error: the replicas ended different (their final checksums differ; each rank's "
-                      "end line has its own): something changed the weights outside the optimizer's reduction, "
-                      "differently on each rank; the results are not one model", file=sys.stderr, flush=True)
+            if comm.rank == 0:      # the shared end check's line (training/end_check.py)
+                print(trainer.inconsistency, file=sys.stderr, flush=True)
             return end(1)
     except _PeerFailed:
         return end(2)

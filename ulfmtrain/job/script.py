@@ -6,7 +6,6 @@ without mpirun, a script runs as a world of one, without fault tolerance, after 
 """
 from __future__ import annotations
 
-import atexit
 import importlib
 import os
 import sys
@@ -16,7 +15,8 @@ from typing import Any
 from ..core.events import Event, EventLog
 
 # Set by `launch` for a script's ranks (connect reads them): the hot spares and the replacement policy.
-SPARES_ENV, REPLACE_ENV = "ULFMTRAIN_SPARES", "ULFMTRAIN_REPLACE"
+from ..transport.launched import REPLACE_ENV, SPARES_ENV
+
 EVENTS_ENV = "ULFMTRAIN_EVENTS"        # a directory: each rank appends its events to rank<slot>.jsonl there
 KILL_ENV = "ULFMTRAIN_KILL"            # kill specs, comma-separated (RANK@STEP[:PHASE]): try recovery out
 REQUIRE_ENV = "ULFMTRAIN_REQUIRE_FT"   # 1: refuse to run without fault tolerance (no world of one)
@@ -36,16 +36,20 @@ def launch_hint() -> str:
 def connect(events: str | Path | None = None, *, require_fault_tolerance: bool | None = None) -> Any:
     """The communicator of a training script: pass it to DistributedOptimizer and ExactlyOnceSampler.
 
-    Under `launch -n N`: a FaultTolerantComm over the N ranks.  With `--spares K` a spare waits here until a
-    rank dies, then returns as that rank (its optimizer receives the live state); a spare never needed ends
-    here, with status 0.  With `--replace respawn` a replacement process runs this script again and returns
-    here too.  Without mpirun: a world of one, after one warning line, unless `require_fault_tolerance`
-    (or $ULFMTRAIN_REQUIRE_FT=1), which refuses with one line and status 2.
+    Under `launch -n N`: a FaultTolerantComm over the N ranks, with the job's named state (comm.track) and, at
+    the script's end, the end check (status 1 and one line if the replicas ended different or out of phase).
+    With `--spares K` a spare waits here until a rank dies, then returns as that rank (the first thing it
+    makes, its optimizer, receives the live state); a spare never needed ends here, with status 0.  With
+    `--replace respawn` a replacement process runs this script again and returns here too.  Without mpirun:
+    a world of one, after one warning line, unless `require_fault_tolerance` (or $ULFMTRAIN_REQUIRE_FT=1),
+    which refuses with one line and status 2.
 
     Args:
         events: a directory for the event log (rank<slot>.jsonl: recoveries, and the sampler's audit
             lines for `python -m ulfmtrain audit DIR`); default $ULFMTRAIN_EVENTS, else none.
     """
+    from ..training.end_check import end_of_script
+    from ..training.job_state import JobState
     from ..transport import faults
 
     if require_fault_tolerance is None:
@@ -66,9 +70,11 @@ def connect(events: str | Path | None = None, *, require_fault_tolerance: bool |
         comm: Any = PlainComm(MPI.COMM_SELF)
         attach_events(comm, events)
         init_default_group(comm)
+        JobState.of(comm)
         return comm
     from ..core.modes import Replace, UsageError, parse
     from ..training.ddp import init_default_group
+    from ..transport import exits
     from ..transport.comm import FaultTolerantComm
     from ..transport.faults import fails_before_ready, parse_kills
 
@@ -94,10 +100,12 @@ def connect(events: str | Path | None = None, *, require_fault_tolerance: bool |
         importlib.import_module("torch._dynamo")
         if not comm.wait_for_slot():
             raise SystemExit(comm.finalize())     # training ended without needing me
+    # At the program's end, before it leaves the job: the end check (phase, then the replicas), then the training
+    # ranks let the waiting spares leave and a RespawnComm ends its spawns.
+    job = JobState.of(comm)
+    exits.before_leave(lambda: end_of_script(comm, job))
     if hasattr(comm, "release_spares"):
-        # At exit, before the bounded MPI_Finalize registered with the communicator (atexit runs last first):
-        # training ranks let the waiting spares leave, and a RespawnComm ends its spawns.
-        atexit.register(comm.close if hasattr(comm, "close") else comm.release_spares)
+        exits.before_leave(comm.close if hasattr(comm, "close") else comm.release_spares)
     joined = getattr(comm, "takeover", None) is not None
     log = attach_events(comm, events)
     faults.arm([k for k in kills if not (joined and k.rank == comm.world_rank)], comm.world_rank, log)
@@ -131,13 +139,21 @@ def attach_events(comm: Any, events: str | Path | None) -> EventSink:
     def recovered(event: Any) -> None:
         sink(Event.RECOVERY, **event.to_json())
         replaced = sorted(int(s) for s in event.extra.get("replaced") or {})
+        vacant = sorted(event.extra.get("vacant") or [])
         # The lowest survivor: with spares, comm rank 0 may be a spare that took slot 0 (it logs nothing here).
-        if comm.world_rank == min(w for w in comm.alive if w not in replaced):
-            ms = event.detect_ms + event.commit_agree_ms + event.revoke_ms + event.shrink_ms + event.agree_ms
-            how = (f"{'replaced by spares' if replaced else 'removed'}, {event.size_before} -> "
-                   f"{event.size_after} ranks")
-            print(f"{PROG}: recovered at step {event.step}: lost ranks {sorted(event.removed) + replaced} ({how}), "
-                  f"{ms:.1f} ms", file=sys.stderr, flush=True)
+        if comm.world_rank != min(w for w in comm.alive if w not in replaced):
+            return
+        ms = event.detect_ms + event.commit_agree_ms + event.revoke_ms + event.shrink_ms + event.agree_ms
+        sizes = f"{event.size_before} -> {event.size_after} ranks"
+        if event.what == "refill":
+            print(f"{PROG}: at step {event.step} spares took the vacant slots {replaced} ({sizes})", file=sys.stderr,
+                  flush=True)
+            return
+        how = "replaced by spares" if replaced else "removed"
+        if vacant:
+            how = ("removed and " if event.removed else "") + "vacant until the next step, where spares take them"
+        print(f"{PROG}: recovered at step {event.step}: lost ranks {sorted(event.removed) + replaced + vacant} "
+              f"({how}, {sizes}), {ms:.1f} ms", file=sys.stderr, flush=True)
 
     comm.add_listener(recovered)
     return sink

@@ -16,8 +16,10 @@ is ready and the world has an empty slot or lacks a spare, every rank joins it
 alike: an intercommunicator from the survivors' world to it (the owner leads),
 merged and dup'ed fault-tolerantly; it takes the lowest empty slot or waits as
 a spare; the training communicator is split again in slot order; the data
-partition rebalances (join listeners); and after the step's update the
-survivors hand it the committed state, as they do for spares.  No checkpoint,
+partition rebalances (join listeners).  The join itself comes at the start of the
+survivors' next step (at_step_start), after everything their loop does after a
+step (the schedule, the scaler, a checkpoint), and they hand the newcomer the
+state there, as they hand it to a spare.  No checkpoint,
 no rollback.  Only the owner's death loses a batch (its newcomers leave, and
 the next lowest survivor spawns again); a spawn or a join that fails leaves the
 world at its size, is reported to the listeners, and is tried again LEAVE_S
@@ -80,10 +82,10 @@ class RespawnComm(SpareComm):
         self._batch_seen = False           # a batch existed at the last boundary
         self._repaired = False             # a repair happened in the transaction in flight
         self._join_listeners: list[JoinListener] = []
-        # Called at the boundary before a join (the trainer: a durable checkpoint after that step's update), so a
-        # job that a death inside the merge ends resumes at most a step back; the join waits one boundary for it.
+        # Called at the boundary that decides a join (the trainer: a durable checkpoint after that step's update,
+        # before the join at the next step's start), so a job that a death inside the merge ends redoes no step.
         self.before_join: Callable[[], None] | None = None
-        self._saved_for_join = False
+        self._join_due: tuple[Batch | None] | None = None   # decided at a boundary, done at the next step's start
         self.joined: dict[str, Any] | None = None    # a newcomer: what it logs about its join
         parent = MPI.Comm.Get_parent()
         if parent == MPI.COMM_NULL:
@@ -147,7 +149,7 @@ class RespawnComm(SpareComm):
             super()._repair(what, committed, t_start, t_error, agree_ms)
         finally:            # also when a repair at start-up starts it over (StartOver): refill after it
             self._repaired = self._spawn_wanted = True
-            self._saved_for_join = False
+            self._join_due = None         # decided on bits that a dead rank sent: decided again
             self._retries = 0
 
     def _boundary(self) -> None:
@@ -173,14 +175,10 @@ class RespawnComm(SpareComm):
             elif (self._empty() or self.spares_left < self.spares_target) and self.spares_left == 0:
                 # (A waiting spare would not take part: a newcomer joins once none is left.)  One newcomer
                 # per boundary; the next one, if any, at the next.
-                if self.before_join is not None and not self._saved_for_join:
-                    self._saved_for_join = True
+                if self.before_join is not None:
                     self.before_join()
-                    return
-                self._batch_seen = self._saved_for_join = False
-                self._join(s)
-                if s is not None and s.done():
-                    self._spawn = None
+                self._batch_seen = False
+                self._join_due = (s,)
             return
         if self._batch_seen:                             # gone without a join: its owner died
             self._batch_seen = False
@@ -192,6 +190,19 @@ class RespawnComm(SpareComm):
             self._spawn_wanted = False
             self._spawn = Batch(self.command + faults.newcomer_args(self.step), count, empty)
             self._notify("spawning", empty, count=count, t_spawn=self._spawn.t_start)
+
+    def at_step_start(self) -> None:
+        """A training rank enters a step: a vacant slot is refilled (SpareComm's), a join decided at the last
+        boundary happens, and the newcomer gets the state (its script then joins this step)."""
+        super().at_step_start()
+        if self._join_due is not None:
+            (s,), self._join_due = self._join_due, None
+            self._join(s)
+            if s is not None and s.done():
+                self._spawn = None
+        if self.pending_handover:
+            self.pending_handover = False
+            self.hand_over()
 
     def _retry_later(self) -> None:
         """After a failed batch or join (uniform): spawn again, not before LEAVE_S (the newcomers it sent away
@@ -261,7 +272,7 @@ class RespawnComm(SpareComm):
         self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,
                      size_after=self.size, join_ms=(time.perf_counter() - t0) * 1e3, **times)
         if plan["taken"] and self.handover is not None:
-            self.pending_handover = True    # after this step's update (DistributedOptimizer.step)
+            self.pending_handover = True    # handed over in at_step_start, before this step goes on
 
     def _take_world(self, world: MPI.Intracomm, held: list[int | None]) -> dict[str, Any]:
         """Everyone, survivors and newcomers: the lowest newcomers take the empty slots; split in slot order."""
@@ -340,8 +351,7 @@ class RespawnComm(SpareComm):
         timer.close()
         self.world_history = info["history"] + [self.size]
         if self.slot is not None:
-            # boundary: it joins at a committed step's boundary, whose checkpoint decision is still to come
-            self.takeover = {"slot": self.slot, "startup": False, "root": 0, "boundary": True}
+            self.takeover = {"slot": self.slot, "startup": False, "root": 0}
         self.joined = {"status": "newcomer", "slots": [] if self.slot is None else [self.slot],
                        "t_start": t_start, "ready_s": t_ready - t_start, "t_joined": time.time(),
                        "world": self.size, "forked": os.environ.get(forkserver.FORKED_ENV) == "1"}

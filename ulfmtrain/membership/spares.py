@@ -41,18 +41,25 @@ HANDOVER_TAG = 1712     # the hand-over's messages on the training communicator 
 
 
 class StateHolder(Protocol):
-    """What sends and takes the committed state in a hand-over (DistributedOptimizer)."""
+    """What sends and takes the committed state in a hand-over (the job's state: training/job_state.py)."""
 
-    def handover_payload(self) -> bytes: ...
-    def take_handover(self, blob: bytes) -> None: ...
+    def payload(self) -> bytes: ...
+    def take(self, blob: bytes) -> None: ...
 
 
 class SpareComm(FaultTolerantComm):
     """A FaultTolerantComm over N slots of a world of N + K ranks; world_rank is the slot (None: a waiting spare).
 
+    A failure inside a script's collective (comm.allreduce, comm.barrier) is repaired without the spares: the
+    dead slot stays vacant while the survivors finish the collective and whatever else their script does before
+    its next step, and at the start of that step a spare takes it (at_step_start), where a replacement's script
+    can join them.
+
     Args:
         spares: K, the last K ranks of MPI_COMM_WORLD.
     """
+
+    _vacant: frozenset[int] = frozenset()     # dead slots that a spare takes at the next step
 
     def __init__(self, spares: int) -> None:
         require_fault_tolerance()
@@ -69,8 +76,8 @@ class SpareComm(FaultTolerantComm):
         me = MPI.COMM_WORLD.Get_rank()
         self.slot: int | None = me if me < self.slots else None
         self.spares_left = spares
-        self.handover: StateHolder | None = None   # what sends and takes the state (a DistributedOptimizer)
-        self.pending_handover = False           # a respawn join: hand over after the step's update
+        self.handover: StateHolder | None = None   # what sends and takes the state (the job's state)
+        self.pending_handover = False           # a respawn join: hand over before the step goes on
         self.takeover: dict | None = None      # a spare that took a slot: which slot, and whether in start-up
         self.handover_bytes: dict[str, int] = {}    # what this rank sent and received in the last hand-over
         # The first collectives.  A death in them is repaired like any other (the one loop), before anything
@@ -125,8 +132,9 @@ class SpareComm(FaultTolerantComm):
         return MPI.Intracomm(comm)
 
     # -- the world: who holds which slot after a failure --------------------------
-    def _repair_world(self) -> dict:
-        """Repair the world with every live rank (training or waiting); give dead slots to waiting spares.
+    def _repair_world(self, assign: bool = True) -> dict:
+        """Repair the world with every live rank (training or waiting); give dead slots to waiting spares (or,
+        assign=False, leave as many vacant: spares take them at the next step).
 
         One loop: a death at any moment of it (the shrink, the allgather, the split) is met alike by every
         live rank (an agree on "all of it went through here") and the world is repaired again.
@@ -143,11 +151,15 @@ class SpareComm(FaultTolerantComm):
             try:
                 # (slot or -1, waiting for the state: a rank that took a slot in a repair whose hand-over failed)
                 mine = (-1 if self.slot is None else self.slot, self.slot is not None and self.slot in self.receivers)
-                held = fresh.allgather((*mine, int(self.started), int(self.saving)))
+                # (With the training ranks' `assign`, alike on all of them: a waiting spare does not know it.)
+                held = fresh.allgather((*mine, int(self.started), int(self.saving), int(assign)))
                 slots = [h[0] for h in held]
-                dead = sorted(set(self.alive) - set(slots))    # slots removed earlier are not dead again
+                # Slots removed earlier are not dead again; vacant ones are.
+                dead = sorted((set(self.alive) | self._vacant) - set(slots))
                 waiting = [r for r, s in enumerate(slots) if s == -1]
-                taken = dict(zip(dead, waiting))
+                given = all(h[4] for h in held if h[0] >= 0)
+                taken = dict(zip(dead, waiting)) if given else {}
+                vacant = frozenset(() if given else dead[:len(waiting)])
                 if slot is None and fresh.Get_rank() in taken.values():
                     slot = next(s for s, r in taken.items() if r == fresh.Get_rank())
                 comm = self._split(slot)
@@ -158,7 +170,7 @@ class SpareComm(FaultTolerantComm):
             if comm != MPI.COMM_NULL:
                 retire(comm)
             _ftcoll.revoke(fresh)       # every live rank repairs again (a waiting spare wakes too)
-        self.slot = slot
+        self.slot, self._vacant = slot, vacant
         self.spares_left = len(waiting) - len(taken)
         if self.comm != MPI.COMM_NULL:
             retire(self.comm)
@@ -166,12 +178,13 @@ class SpareComm(FaultTolerantComm):
         self.world_rank = self.slot if self.slot is not None else -1
         survivors = [s for s in slots if s >= 0]
         self.alive = sorted(survivors + list(taken))
-        self.receivers = {s for s, r, _, _ in held if r and s in self.alive} | set(taken)
+        self.receivers = {h[0] for h in held if h[1] and h[0] in self.alive} | set(taken)
         self.world_history.append(self.size)
         startup = not all(h[2] for h in held if h[0] >= 0 and not h[1])
         senders = [s for s in survivors if s not in self.receivers]
         return {"report": total, "replaced": {s: int(r) for s, r in taken.items()}, "saving": any(h[3] for h in held),
-                "removed": sorted(set(dead) - set(taken)), "root": min(senders, default=-1), "startup": startup}
+                "removed": sorted(set(dead) - set(taken) - vacant), "vacant": sorted(vacant),
+                "root": min(senders, default=-1), "startup": startup}
 
     def _repair(self, what: str, committed: bool, t_start: float, t_error: float, agree_ms: float) -> None:
         """Repair, then hand the committed state to the ranks that took slots; a death in either: again.
@@ -180,10 +193,13 @@ class SpareComm(FaultTolerantComm):
         every rank, survivors and newcomers, starts the start-up over together (StartOver).
         """
         attempt = 0 if committed else self._attempt + 1
+        # A script's collective is finished without the spares: a replacement's script can join its peers at a
+        # step (or the end), not inside whatever its peers run between steps.
+        assign = what not in ("allreduce", "barrier")
         while True:
             size_before, wall_error = self.size, time.time() - (MPI.Wtime() - t_error)
             _ftcoll.revoke(self.world)          # wakes the waiting spares
-            plan = self._repair_world()
+            plan = self._repair_world(assign)
             event = self._event(plan, what, committed, wall_error, (t_error - t_start) * 1e3, agree_ms, size_before)
             self.events.append(event)
             for fn in self._listeners:
@@ -212,7 +228,8 @@ class SpareComm(FaultTolerantComm):
             commit_agree_ms=commit_agree_ms, revoke_ms=r["revoke_ms"], shrink_ms=r["shrink_ms"],
             agree_ms=r["agree_ms"], shrinks=r["shrinks"], size_before=size_before, size_after=self.size,
             removed=plan["removed"],
-            extra={"replaced": plan["replaced"], "handles": handles_held(self.world, self.comm)})
+            extra={"replaced": plan["replaced"], "vacant": plan["vacant"],
+                   "handles": handles_held(self.world, self.comm)})
 
     # -- the hand-over: one attempt, inside the repair loop -------------------------
     def _hand_over_once(self, attempt: int) -> bool:
@@ -236,7 +253,7 @@ class SpareComm(FaultTolerantComm):
         status = _ftcoll.OK
         sent = 0
         if self.rank == src:
-            data = np.frombuffer(bytearray(self.handover.handover_payload() + attempt.to_bytes(8, "little")),
+            data = np.frombuffer(bytearray(self.handover.payload() + attempt.to_bytes(8, "little")),
                                  dtype=np.uint8)
             size[0] = data.size
             for dest in receivers:
@@ -256,20 +273,27 @@ class SpareComm(FaultTolerantComm):
             return False
         if receiving:
             blob = data.tobytes()
-            self.handover.take_handover(blob[:-8])
+            self.handover.take(blob[:-8])
             self.start_attempts_at(int.from_bytes(blob[-8:], "little"))
             self.started = True
         self.receivers.clear()
         return True
 
     def hand_over(self) -> None:
-        """Outside a repair (a spare that took a slot, a respawn join at a step boundary): the hand-over, until
+        """Outside a repair (a spare that took a slot, a respawn join at a step's start): the hand-over, until
         every live slot has the state; a death meanwhile re-enters the repair (which hands over again)."""
         if self.handover is None or not self.receivers:
             return
         if not self._hand_over_once(0):
             t = MPI.Wtime()
             self._repair("handover", True, t, t, 0.0)
+
+    def at_step_start(self) -> None:
+        """A training rank enters a step (DistributedOptimizer): slots a repair left vacant go to the waiting spares
+        now, and the state to them (uniform: every survivor holds the same vacant slots)."""
+        if self._vacant and self.slot is not None:
+            t = MPI.Wtime()
+            self._repair("refill", True, t, t, 0.0)
 
     # -- a spare ------------------------------------------------------------------
     def wait_for_slot(self) -> bool:

@@ -1,14 +1,12 @@
-"""The replicated state: what every replica keeps identical, and what a replacement (a spare, a newcomer) receives.
+"""One optimizer's part of the job's replicated state: its model, its optimizer and its step, as an entry of the
+job's named state (job_state.py); the initial broadcast; and the checksum that `train` reports.
 
-A mixin of DistributedOptimizer (optim.py): the model, the optimizer, the step, the registered extra state
-(schedulers, GradScaler, the sampler, your own objects) and the RNG states, serialized; the initial broadcast,
-the hand-over to replacements, and the checksum that proves the replicas identical.
+A mixin of DistributedOptimizer (optim.py).
 """
 from __future__ import annotations
 
-import contextlib
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,131 +15,83 @@ from ..transport import faults
 from ..transport.comm import StartOver
 from . import serialize
 from .buckets import crc32_tensors
+from .job_state import BCAST
 
 if TYPE_CHECKING:
     from ..transport.comm import Comm
-    from .extra_state import ExtraState
-    from .rng import StepRng
+    from .job_state import JobState
 
 
 class ReplicatedState:
-    """Serialize, broadcast, hand over and checksum the state of a DistributedOptimizer."""
+    """Serialize, broadcast and checksum the state of a DistributedOptimizer."""
 
     comm: Comm
+    job: JobState
+    name: str
     model: torch.nn.Module | None
     params: list[torch.Tensor]
     optimizer: torch.optim.Optimizer
     step_count: int
-    _extra: ExtraState
-    _rng: StepRng | None
-    _received_at_init: bool
-    _deferring: bool              # inside defer_handover()
+    samples_total: float
     _committed_buffers: dict[str, torch.Tensor] | None
+    _snapshot: dict[str, Any] | None
 
-    def hand_over_pending(self) -> None:
-        """After a newcomer joined at a step boundary (the step committed): hand over once the update is applied,
-        or at the next synchronize if the update was skipped (a GradScaler's inf step), or at the end."""
-        if self._deferring:
-            return
-        if getattr(self.comm, "pending_handover", False):
-            setattr(self.comm, "pending_handover", False)  # noqa: B010  # a SpareComm's
-            self.comm.hand_over()       # type: ignore[attr-defined]
-
-    @contextlib.contextmanager
-    def defer_handover(self) -> Iterator[None]:
-        """Hand a newcomer that joined at this step's commit the state as it is when the block ends, not right
-        after the update: wrap step() and what your loop does after it, e.g. `scaler.step(opt);
-        scaler.update(); scheduler.step()`, so that the newcomer gets the stepped schedule and the updated
-        scale (else it starts one step behind the survivors)."""
-        self._deferring = True
-        try:
-            yield
-        finally:
-            self._deferring = False
-        self.hand_over_pending()
-
-    # -- the replicated state ----------------------------------------------------
     def _tensors(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict() if self.model is not None else [p.detach() for p in self.params],
             "optimizer": self.optimizer.state_dict(),
         }
 
-    def get_state(self, extra: bool = True, buffers: dict[str, torch.Tensor] | None = None) -> bytes:
-        """Model, optimizer, step and (unless extra=False) the registered extra state, serialized.
-
-        buffers: the model's buffers to send instead of their current values.
-        """
+    def _entry(self) -> dict[str, Any]:
+        """Its entry in the job's state: model (buffers as of the last commit), optimizer, step (a closure step in
+        flight: as the step began)."""
+        if self._snapshot is not None:
+            return self._snapshot["entry"]
         state = self._tensors()
-        if buffers:
-            state["model"].update(buffers)
-        state["step"] = self.step_count
-        state["extra"] = self._extra.get() if extra else {}
-        if extra and self._rng is not None:
-            state["rng"] = self._rng.state()
-        return serialize.dumps(state)
+        if self._committed_buffers:
+            state["model"].update(self._committed_buffers)
+        return {**state, "step": self.step_count, "samples": self.samples_total}
 
-    def set_state(self, blob: bytes) -> None:
-        """Take a state made by get_state(): loaded as data only (serialize.loads: UnsafeState for anything else)."""
-        # On the host: load_state_dict copies to the parameters' device (which may differ from the sender's).
-        state = serialize.loads(blob)
+    def _load_entry(self, entry: dict[str, Any]) -> None:
+        """Take an entry made by _entry() (on the host: load_state_dict copies to the parameters' device)."""
         if self.model is not None:
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(entry["model"])
         else:
+            if len(entry["model"]) != len(self.params):
+                raise ValueError(f"{len(entry['model'])} parameters sent, {len(self.params)} here")
             with torch.no_grad():
-                for p, v in zip(self.params, state["model"]):
+                for p, v in zip(self.params, entry["model"]):
                     p.copy_(v)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step_count = state["step"]
-        self._extra.load(state["extra"], state["optimizer"])
-        if self._rng is not None and state.get("rng") is not None:
-            self._rng.pending = state["rng"]      # taken at this rank's next training forward
+        self.optimizer.load_state_dict(entry["optimizer"])
+        self.step_count, self.samples_total = entry["step"], entry.get("samples", self.samples_total)
         if self._committed_buffers is not None:
             self._keep_committed_buffers()
-
-    def handover(self, root: int = 0, attempt: int = 0, *, receive: bool = False) -> None:
-        """A rank that took a dead rank's slot (a spare, a newcomer): take the survivors' committed state.
-
-        A spare that took its slot during start-up joins the initial broadcast instead, as the survivors
-        start it over with it.  (root, attempt, receive: kept for callers of the older signature; the
-        communicator picks the sender and tells the attempt.)
-        """
-        if receive and self._received_at_init:
-            self._received_at_init = False      # received when this optimizer was made
-            return
-        if (getattr(self.comm, "takeover", None) or {}).get("startup"):
-            self.broadcast_state()
-        else:
-            self.comm.hand_over()       # type: ignore[attr-defined]  # a SpareComm's
-
-    def handover_payload(self) -> bytes:
-        """The committed state a sender hands over (buffers as of the last update)."""
-        return self.get_state(buffers=self._committed_buffers)
-
-    def take_handover(self, blob: bytes) -> None:
-        """A receiver takes the state handover_payload() made."""
-        self.set_state(blob)
 
     def _keep_committed_buffers(self) -> None:
         named = self.model.named_buffers() if self.model is not None else ()
         self._committed_buffers = {k: b.detach().clone() for k, b in named}
 
-    def broadcast_state(self, extra: bool = False, *, finish_startup: bool = True) -> None:
+    def _broadcast_state(self, extra: bool = False, *, finish_startup: bool = True) -> None:
         """Start every rank from the lowest survivor's state (Horovod's broadcast_parameters, fault-tolerant).
 
-        extra: with the extra state (the sampler, which then re-plans itself for this world); without it,
-        every rank builds it alike.  finish_startup: the start-up ends here (comm.started); a repair that gave
-        slots to spares meanwhile starts the broadcast over with them.  False: the caller starts over
+        extra: the whole job's state (the trainer's start-up: the sampler re-plans itself for this world);
+        without it, this optimizer's entry.  finish_startup: the start-up ends here (comm.started); a repair that
+        gave slots to spares meanwhile starts the broadcast over with them.  False: the caller starts over
         (StartOver), its start-up has more to it.
         """
         faults.point(self.step_count, "init")
+        self.job.in_flight = (BCAST, self.name)
         while True:
             try:
-                self.set_state(self.comm.bcast_bytes(lambda: self.get_state(extra=extra)))
+                if extra:
+                    self.job.load(self.comm.bcast_bytes(self.job.payload))
+                else:
+                    self._load_entry(serialize.loads(self.comm.bcast_bytes(lambda: serialize.dumps(self._entry()))))
                 break
             except StartOver:
                 if not finish_startup:
                     raise
+        self.job.joined()
         if finish_startup:
             self.comm.started = True
 

@@ -4,9 +4,11 @@ No rank holds a dead rank's own generator state, so two ways make a replacement 
 would have drawn (its dropout masks):
 
 * the hand-over carries the lowest survivor's state as it was when the step in flight began (its first
-  training forward): exact when every rank draws alike (the same seed, the same calls);
-* `seed_each_step(seed)`: at each step's first training forward every rank seeds the three generators from
-  (seed, its slot, the step), so any rank's state at any step is known: exact whatever each rank draws.
+  training forward of any of the job's models: JobRng): exact when every rank draws alike (the same seed, the
+  same calls);
+* `DistributedOptimizer(..., seed=S)`: at each step's first training forward every rank seeds the three
+  generators from (S, its slot, the step: StepSeed), so any rank's state at any step is known: exact whatever
+  each rank draws.
 """
 from __future__ import annotations
 
@@ -42,36 +44,51 @@ def seed_all(seed: int, slot: int, step: int) -> None:
     random.seed(s)
 
 
-class StepRng:
-    """At each step's first forward in training mode: seed (seed_each_step) or take a handed-over state, then
-    keep the state as the step began, for a hand-over."""
+class JobRng:
+    """The generator state a replacement takes: kept at the first training forward of any of the job's models in
+    each of its steps (the hand-over sends it, so the replacement draws from where the step began), and taken,
+    when handed over, at the replacement's first training forward."""
 
-    def __init__(self, model: torch.nn.Module, slot: Any, step: Any, keep: bool) -> None:
-        self.slot, self.step, self.keep = slot, step, keep    # callables: this rank's slot, the step in flight
-        self.seed: int | None = None
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep                  # only where a replacement can come (spares, respawn): capture costs
         self.began = False
         self.at_step: dict[str, Any] | None = None
-        self.pending: dict[str, Any] | None = None           # handed over, taken at the first forward
-        on_forward(model, self._forward)
+        self.pending: dict[str, Any] | None = None
 
-    def _forward(self, module: torch.nn.Module) -> None:
-        if self.began or not module.training:
+    def forward(self) -> None:
+        if self.began:
             return
         self.began = True
-        if self.seed is not None:
-            seed_all(self.seed, self.slot(), self.step())
-        elif self.pending is not None:
+        if self.pending is not None:
             restore(self.pending)
-        self.pending = None
+            self.pending = None
         if self.keep:
             self.at_step = capture()
 
-    def committed(self) -> None:
+    def advanced(self) -> None:
+        """The job's step committed: the next forward begins the next one."""
         self.began = False
 
     def state(self) -> dict[str, Any]:
-        """The state to hand over: as the step in flight began (the newcomer redoes it), or as it is now."""
+        """The state to hand over: as the step in flight began (the replacement redoes it), or as it is now."""
         return self.at_step if self.began and self.at_step is not None else capture()
+
+
+class StepSeed:
+    """DistributedOptimizer(seed=...): at its step's first training forward of the model, seed the three
+    generators from (seed, this rank's slot, the step)."""
+
+    def __init__(self, seed: int, slot: Callable[[], int], step: Callable[[], int]) -> None:
+        self.seed, self.slot, self.step = seed, slot, step
+        self.began = False
+
+    def forward(self) -> None:
+        if not self.began:
+            self.began = True
+            seed_all(self.seed, self.slot(), self.step())
+
+    def committed(self) -> None:
+        self.began = False
 
 
 def on_forward(model: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> None:

@@ -62,6 +62,20 @@ def check_loadable(name: str, state: Any) -> None:
     try:
         loads(dumps(state))
     except UnsafeState as exc:
-        raise TypeError(f"register_state({name!r}, ...): its state_dict() holds what a safe load refuses "
-                        f"({exc}): keep tensors, numbers, strings, lists and dicts in it, or pass pickle=True "
-                        "if you trust whoever can write your checkpoints (docs/security.md)") from None
+        raise TypeError(f"comm.track({name}=...): its state_dict() holds what a safe load refuses ({exc}): keep "
+                        "tensors, numbers, strings, lists and dicts in it, or register it with "
+                        f"opt.register_state({name!r}, obj, pickle=True) if you trust whoever can write your "
+                        "checkpoints (docs/security.md)") from None
+
+
+class Pickled:
+    """An object whose state travels pickled (register_state(..., pickle=True)): only its own setter unpickles."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> bytes:
+        return pickle.dumps(self.obj.state_dict())
+
+    def load_state_dict(self, blob: bytes) -> None:
+        self.obj.load_state_dict(pickle.loads(blob))

@@ -27,14 +27,11 @@ from ..transport.comm import StartOver
 from ..transport.faults import Kill
 from .config import TrainConfig
 from .device import model_device
+from .end_check import differing, int32, replicas_agree
 from .optim import FTSGD, DistributedOptimizer
 
 if TYPE_CHECKING:
     from ..transport.comm import Comm
-
-
-def _int32(x: int) -> int:
-    return x - 2**32 if x >= 2**31 else x
 
 
 class Trainer:
@@ -91,28 +88,29 @@ class Trainer:
                                       broadcast=False, overlap=cfg.overlap,
                                       scale_lr=cfg.lr_scaling is LrScaling.LINEAR)
 
-        self.opt.register_extra_state("sampler", self.sampler.state, self._set_sampler_state)
+        self.opt._register_extra_state("sampler", self.sampler.state, self._set_sampler_state)
         # The rest of the training state a replacement must get: the schedule's position, the scaler's scale.
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if cfg.lr_schedule is LrSchedule.COSINE:
             steps = max(-(-ranges_len(h) // cfg.batch) for h in holdings.values())   # an epoch, failure-free
             self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs * max(steps, 1))
-            self.opt.register_state("lr_schedule", self.scheduler)
+            self.opt.job.track(lr_schedule=self.scheduler)
         # float16, not bfloat16: a GradScaler exists for float16's narrow range (bfloat16 has float32's), and
         # torch autocasts float16 on the CPU too, so the same run is tested here and meant on a GPU.
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.amp else None
         if self.scaler is not None:
-            self.opt.register_state("grad_scaler", self.scaler)
+            self.opt.job.track(grad_scaler=self.scaler)
         if cfg.dropout > 0:        # every slot's masks are known at every step: a replacement draws the dead rank's
-            self.opt.seed_each_step(cfg.seed)
-        self.opt.add_commit_hook(self.sampler.commit)
+            self.opt._seed_each_step(cfg.seed)
+        self.opt._add_commit_hook(self.sampler.commit)
         if cfg.audit:
-            self.opt.add_attempt_hook(self._audit)
+            self.opt._add_attempt_hook(self._audit)
         self.epoch_ended = False       # the last committed step closed an epoch (checkpoint cadence)
         self._logged_events = 0
         self._lr: float | None = None  # the learning rate last logged
         self._ids = np.empty(0, dtype=np.int64)    # my batch's record ids, for the audit
         self._bar: Any = None
+        self.inconsistency: str | None = None      # the end check's line, if the replicas ended different
 
     @property
     def holdings(self) -> dict[int, list]:
@@ -139,12 +137,12 @@ class Trainer:
         return int(sum(self.sampler.cursors.values()))
 
     def replica_state(self) -> bytes:
-        """The replicated state: model, optimizer, step and (registered extra state) the sampler."""
-        return self.opt.get_state()
+        """The replicated state: the job's (model, optimizer, step, the sampler, the schedule and the scaler)."""
+        return self.opt.job.payload()
 
     def load_replica_state(self, blob: bytes) -> None:
         """Take a replica_state(); the sampler state re-plans itself for this world."""
-        self.opt.set_state(blob)
+        self.opt.job.load(blob)
 
     def _set_sampler_state(self, state: dict[str, Any]) -> None:
         # Only a fresh trainer takes a state.  One that takes a slot from the
@@ -186,9 +184,11 @@ class Trainer:
         """Forward and backward on my next batch; return the loss and the samples used."""
         step = self.opt.step_count
         faults.point(step, Phase.FORWARD)
+        # A respawned process joins at a step's start (a data rebalance with it): before this rank draws its batch.
+        self.opt._step_start()
         x, y = self._batch()
         self.opt.zero_grad()
-        self.opt.begin_step(len(y))     # the weight of my gradient, before backward (overlap needs it)
+        self.opt._begin_step(len(y))    # the weight of my gradient, before backward (overlap needs it)
         if len(y) == 0:          # my queue ran dry this epoch: I contribute nothing (weight 0)
             if self.scaler is not None:     # its scale is made at the first scale(); step() needs it
                 self.scaler.scale(torch.zeros((), device=self.device))
@@ -263,26 +263,24 @@ class Trainer:
         """Train to the last epoch; return the summary (also written by the lowest survivor)."""
         t_start = time.perf_counter()
         torch.manual_seed(self.cfg.seed)
-        self.sampler.start_epoch(0)
-        # Every rank starts from one state: the checkpoint a resume restores, or the lowest rank's;
-        # a spare that takes a dead rank's slot gets the survivors' live state.
+        # Every rank starts from one state: the checkpoint a resume restores, or the lowest rank's; a spare that
+        # takes a dead rank's slot (or a respawned process) got the survivors' live state, the sampler's included,
+        # when its optimizer was made (the job's state: job_state.py).
         takeover = getattr(self.comm, "takeover", None)
         if takeover is not None and not takeover.get("startup"):
-            self.opt.handover(receive=True)
             self.epoch_ended = self.sampler.epoch_done()
-            if self.epoch_ended:               # it joins after a step that closed an epoch, as the survivors did
+            # It joins after a step that closed an epoch: it moves on, as the survivors did (unless they had: a
+            # hand-over in the final check comes after the last epoch's end).
+            if self.epoch_ended and self.sampler.epoch < self.cfg.epochs:
                 self._next_epoch()
             if self.checkpointer is not None:
                 self.checkpointer.begin(self, joining=True)
-                if takeover.get("boundary"):
-                    # A respawned process joins after the step's update: the survivors still take that step's
-                    # checkpoint decision, and a save is a collective (it stalled them when one was due).
-                    self.checkpointer.after_step(self)
-                elif takeover.get("save"):
+                if takeover.get("save"):
                     self.checkpointer.join_save()    # a spare that took a slot inside the survivors' save
         else:
             # A spare that took a slot during start-up starts it with the survivors, as a fresh trainer.
             self._awaiting_state = False
+            self.sampler.start_epoch(0)
             self._start_up()
         self.log("start", host=socket.gethostname(), pid=os.getpid(), world=self.comm.size, alive=self.comm.alive,
                  holdings=self.shard.holdings, count=self.train.count, config=asdict(self.cfg),
@@ -299,7 +297,7 @@ class Trainer:
                 if self.checkpointer is None or not self.checkpointer.resume:
                     if self._broadcast:
                         # With the sampler: a repair may have re-planned it; it re-plans itself for this world.
-                        self.opt.broadcast_state(extra=True, finish_startup=False)
+                        self.opt._broadcast_state(extra=True, finish_startup=False)
                 if self.checkpointer is not None:
                     self.checkpointer.begin(self)
                 break
@@ -338,17 +336,16 @@ class Trainer:
                 self.checkpointer.close()   # what is in flight must be durable before the job can end
 
     def _step(self, samples: int) -> None:
-        """Reduce and update; then the scaler and the schedule, as in a plain PyTorch loop (a newcomer that
-        joined at this step's commit gets their state after that)."""
-        with self.opt.defer_handover():
-            if self.scaler is None:
-                self.opt.step(samples=samples)
-            else:
-                self.opt.synchronize(samples=samples)
-                self.scaler.step(self.opt)      # skipped on every rank alike when the mean gradient overflowed
-                self.scaler.update()
-            if self.scheduler is not None:
-                self.scheduler.step()
+        """Reduce and update; then the scaler and the schedule, as in a plain PyTorch loop (a newcomer joins at
+        the start of a step: it gets their state after all of this)."""
+        if self.scaler is None:
+            self.opt.step(samples=samples)
+        else:
+            self.opt.synchronize(samples=samples)
+            self.scaler.step(self.opt)      # skipped on every rank alike when the mean gradient overflowed
+            self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def _final_state(self) -> dict[str, Any]:
         """The state beyond the checksum that a replacement must have got: the lr, the scaler's."""
@@ -360,10 +357,13 @@ class Trainer:
     def _finish(self, t_start: float) -> dict[str, Any]:
         if self._bar is not None:
             self._bar.close()
-        self.opt.hand_over_pending()    # a spare that took a slot in a last step whose update was skipped
         faults.point(self.opt.step_count, "final")
-        crc = _int32(self.opt.checksum())
-        consistent = self._final_check(crc)
+        crc = int32(self.opt.checksum())
+        # The job's whole state (the sampler, the schedule, the scaler too) must agree; `checksum` stays the
+        # model's and optimizer's, which runs compare.
+        consistent = replicas_agree(self.comm, self.opt.job.checksum())
+        if not consistent:
+            self.inconsistency = differing(self.comm, self.opt.job.checksum())
         self._log_events()
         final = self._final_state()     # the lr and the scaler's state: read once, logged and summarized
         summary = {
@@ -379,19 +379,6 @@ class Trainer:
         if self.out_dir is not None:
             self._write_summary(summary)
         return summary
-
-    def _final_check(self, crc: int) -> bool:
-        """Agree (uniform) on the AND of the checksum and of its complement: both come back unchanged only if
-        every survivor holds the same replica.  After a repair the check starts over: a spare that took a
-        slot in it was handed the state and starts the check from its beginning."""
-        while True:
-            seen, same = len(self.comm.events), []
-            for value in (crc, ~crc):
-                same.append(self.comm.agree(value) == value)
-                if len(self.comm.events) != seen:
-                    break                   # a repair: start over
-            else:
-                return all(same)
 
     def _write_summary(self, summary: dict[str, Any]) -> None:
         """The lowest survivor writes summary.json after the final decision; if a rank dies meanwhile, again."""

@@ -31,7 +31,8 @@ from mpi4py import MPI
 
 from .. import _ftcoll
 from ..core.modes import Phase
-from . import exits, faults, hangs, tether
+from . import exits, faults, hangs, launched, phase, tether
+from .collectives import ScriptCollectives
 from .handles import handles_held, retire
 
 T = TypeVar("T")
@@ -134,6 +135,7 @@ class Comm(Protocol):
     step: int
     started: bool
     saving: bool
+    job: Any                    # the job's named state (training/job_state.py)
 
     @property
     def rank(self) -> int: ...
@@ -151,9 +153,10 @@ class Comm(Protocol):
     def bcast_bytes(self, make: Callable[[], bytes], root: int = 0) -> bytes: ...
     def bcast_obj(self, make: Callable[[], Any]) -> Any: ...
     def finalize(self, timeout: float = 5.0, exit_code: int = 0) -> int: ...
+    def check_phase(self, send: np.ndarray, recv: np.ndarray) -> None: ...
 
 
-class _CommBase:
+class _CommBase(ScriptCollectives):
     """What every communicator wrapper keeps: world rank, survivors, history, events, listeners."""
 
     comm: MPI.Intracomm
@@ -164,7 +167,6 @@ class _CommBase:
         self.alive = world_ranks(comm) if alive is None else alive
         self.world_history = [len(self.alive)]
         self.events: list[RecoveryEvent] = []
-        self.step = 0               # the caller's step counter, for the event log
         self._listeners: list[Listener] = []
         self._attempt = 0           # the attempt in flight (a spare's handover says which comes next)
         self._next_attempt = 0
@@ -184,11 +186,6 @@ class _CommBase:
     def size(self) -> int:
         """The number of ranks training now (survivors; with spares, the slots)."""
         return self.comm.Get_size()
-
-    def barrier(self) -> None:
-        """Return once every survivor has called it: an agreement, so a rank that dies meanwhile is repaired
-        around, not waited for."""
-        self.agree(1)
 
     @property
     def next_attempt(self) -> int:
@@ -223,6 +220,8 @@ class FaultTolerantComm(_CommBase):
     def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool = True) -> None:
         if check:
             require_fault_tolerance()
+            if type(self) is FaultTolerantComm:
+                launched.refuse_bare_comm()
         self._setup(_fault_tolerant_dup(comm or MPI.COMM_WORLD))
         # An agent launch: a repair commits only once the head confirms it (no split brain; tether.py).
         tether.install(self)
@@ -257,6 +256,9 @@ class FaultTolerantComm(_CommBase):
             except faults.InjectedError:        # the error phase of a kill schedule (no rank dies)
                 _ftcoll.revoke(self.comm)
                 status = _ftcoll.ERROR
+            except phase.PeerLeft:              # a peer's script ended mid-run: it leaves, the others repair
+                _ftcoll.revoke(self.comm)
+                status = _ftcoll.FAILED
             t_error = t_error or MPI.Wtime()
             if seen:
                 status = _ftcoll.FAILED
@@ -332,8 +334,8 @@ class FaultTolerantComm(_CommBase):
         if status != _ftcoll.OK:
             raise AttemptFailed(status)
 
-    def allreduce(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
-        """Reduce send into recv over the survivors (out of place: a redo needs send)."""
+    def _allreduce_into(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
+        """Reduce send into recv over the survivors, one transaction with no phase check (benchmarks, tests)."""
         self.transaction(lambda _: self._check(_ftcoll.allreduce_try(self.comm, send, recv, op)),
                          what="allreduce")
 
@@ -423,7 +425,7 @@ class PlainComm(_CommBase):
     def reduce_try(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(send, recv, op=op)
 
-    def allreduce(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
+    def _allreduce_into(self, send: np.ndarray, recv: np.ndarray, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(send, recv, op=op)
 
     def agree(self, flag: int) -> int:

@@ -10,7 +10,9 @@ after a failure can wait for good: docs/failures.md).  So, in a rank under `mpir
   set (the AND's identity: it decides nothing for the others).  If every member raised (a deterministic bug),
   they all end with status 1; if the others are leaving too, it ends with status 1; else a peer trains on,
   and it dies by SIGKILL so that ULFM reports it and the survivors repair.
-* The program's end (its last line, or sys.exit(n)): the same agree with LEAVING, after a grace of
+* The program's end (its last line, or sys.exit(n)): first what the layers above registered to run then
+  (before_leave: a script's end check, then the spares' release; a failed end check sets the status the
+  process ends with), then the same agree with LEAVING, after a grace of
   DONE_GRACE_S without the revoke (peers that are done come to it by themselves).  If every member is
   leaving, the process ends with its own status, without MPI_Finalize (mpirun then reports the ranks' own
   statuses: 0 after a failure survived).  If a peer trains on (this rank left early), it dies by SIGKILL.
@@ -49,8 +51,9 @@ _previous_hook = sys.excepthook
 _installed = False
 _armed = False
 _at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (the fork server: forkserver.drain)
-_end_status: int | None = None             # an end-of-script check that failed: the status the rank ends with
+_end_status: int | None = None    # the status the process ends with, whatever its program's (a failed end check)
 _leaving = threading.Lock()  # one thread leaves (the hang watch's, for a stuck main thread, or the main thread)
+_before_leave: list[Callable[[], None]] = []   # what a program's end runs first (a script's end check, the spares)
 
 
 class Terminated(BaseException):
@@ -81,6 +84,12 @@ def at_leave(end: Callable[[], None]) -> None:
 def left_failed() -> bool:
     """The exit protocol ran for a failure (an uncaught exception): the program's end judges nothing."""
     return _left_failed
+
+
+def before_leave(fn: Callable[[], None]) -> None:
+    """Call `fn` when the program ends (its last line, sys.exit, or an explicit finalize), before it leaves the job:
+    in registration order; not after a failure."""
+    _before_leave.append(fn)
 
 
 def end_with(status: int) -> None:
@@ -170,6 +179,8 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
 def at_exit() -> None:
     """The program ended (its last line or sys.exit): leave together with the peers, or by SIGKILL if they train
     on.  Returns (without MPI_Finalize) when every member is leaving."""
+    while _before_leave and not _left:
+        _before_leave.pop(0)()
     if not _left:
         leave(failed=False)
 

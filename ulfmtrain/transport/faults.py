@@ -254,12 +254,17 @@ _RESUME = ("import os, signal, sys, time; time.sleep(float(sys.argv[1])); "
            "signal.pidfd_send_signal(int(sys.argv[2]), signal.SIGCONT)")
 
 
+exited = False      # the exit kind fired in this process
+
+
 def fail(kind: str, code: int = 1, spec: str = "", pid: int | None = None, after: float = 0.0) -> None:
     """Fail as `kind` says (KINDS): a signal to `pid` or this process, an exception, sys.exit(code) or a
     deadlock; a stop is followed by SIGCONT `after` seconds later (0: never)."""
     if kind == "raise":
         raise InjectedFailure(f"injected failure {spec}: an exception nothing catches, as a bug's")
     if kind == "exit":
+        global exited
+        exited = True           # a rank leaving mid-run on purpose: the script's end check is not for it
         sys.exit(code)
     if kind == "hang":
         exec(_DEADLOCK, {})

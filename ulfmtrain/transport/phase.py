@@ -1,0 +1,106 @@
+"""The phase check: the first reduction of every script-level transaction carries a tag, so that ranks that run
+different transactions (a replacement whose script restarted its own counter, optimizers stepped in another
+order, a collective called on some ranks only) are found before any reduction whose size depends on what it is.
+
+Each rank sends, in one small fixed-size sum: its weight (a step's sample count), and for each field of the tag
+(the kind of transaction and which optimizer or reduction, the step in two 16-bit halves, the payload's size)
+the value and its square; and a problem flag (a replacement that could not take the state).  All ranks agree
+iff size * sum(v**2) == sum(v)**2 for every field (Cauchy-Schwarz, exact in float64 for these magnitudes).  The sums
+are the same on every rank, so every rank takes the same branch: on a mismatch all of them end with status 1 and
+one line, never a hang and never a SIGKILL that the others would repair around.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import numpy as np
+
+STEP, COLLECTIVE, BARRIER, END = 1, 2, 3, 4      # the kinds of transaction a script runs
+OPS = ("mean", "sum", "max", "min")              # a collective's index in its tag: its op
+WEIGHT, PROBLEM = 0, 9                           # positions in the tag vector
+SIZE = 10
+FIX = ("start step loops at the committed step (`for step in range(comm.step, max_steps)`), keep other counters "
+       "in the job's state (`state = comm.track(global_step=0)`), step the optimizers in one order and call "
+       "collectives on every rank")
+
+
+class LeftEarly(Exception):
+    """This rank's script ended while most of its peers are still stepping alike: it leaves as a rank that failed
+    (exits.py's protocol), and they repair around it, as after a rank that calls sys.exit() mid-run."""
+
+
+class PeerLeft(Exception):
+    """A peer's script ended while this rank steps with the others: the attempt fails (they repair around it)."""
+
+
+def left_early(tags: list[tuple[int, int, int, int]], mine: tuple[int, int, int]) -> Exception | None:
+    """Where some ranks reached the end of the script and a strict majority of the others is in one transaction:
+    what this rank raises (LeftEarly at the end, PeerLeft in that transaction); None: the job stops."""
+    ended = [t for t in tags if t[1] == END]
+    going = {t[1:] for t in tags if t[1] != END}
+    if not ended or len(going) != 1 or len(ended) * 2 >= len(tags):
+        return None
+    return LeftEarly() if mine[0] == END else PeerLeft()
+
+
+class PhaseError(SystemExit):
+    """The ranks are not in the same transaction (or a replacement could not take the state): the job ends with
+    status 1 on every rank; the line saying why is printed once, before it is raised."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+
+def tag(kind: int, index: int, step: int, *, weight: float = 1.0, payload: int = 0, problem: bool = False,
+        out: np.ndarray | None = None) -> np.ndarray:
+    """This rank's tag vector (written into `out` if given: a send buffer kept for a redo)."""
+    v = np.zeros(SIZE) if out is None else out
+    fields = (kind + 8 * index, step & 0xFFFF, (step >> 16) & 0xFFFF, payload & 0xFFFFF)
+    v[WEIGHT] = weight
+    for i, f in enumerate(fields):
+        v[1 + 2 * i], v[2 + 2 * i] = f, float(f) * f
+    v[PROBLEM] = 1.0 if problem else 0.0
+    return v
+
+
+def agreed(total: np.ndarray, size: int) -> bool:
+    """Whether every one of `size` ranks sent the same tag (total: the sum of their tag vectors)."""
+    return all(size * total[2 + 2 * i] == total[1 + 2 * i] ** 2 for i in range(4))
+
+
+def decode(v: np.ndarray) -> tuple[int, int, int]:
+    """(kind, index, step) of one rank's tag vector."""
+    code = int(v[1])
+    return code % 8, code // 8, int(v[3]) + (int(v[5]) << 16)
+
+
+def describe(kind: int, index: int, step: int, name_of: Callable[[int], str]) -> str:
+    """What a rank was doing, in words."""
+    if kind == STEP:
+        return f"{name_of(index)}.step() of step {step}"
+    op = OPS[index] if kind == COLLECTIVE and index < len(OPS) else ""
+    return {COLLECTIVE: f"comm.allreduce({op}) after step {step}", BARRIER: f"comm.barrier() after step {step}",
+            END: f"the end of the script after step {step}"}.get(kind, f"transaction kind {kind} at step {step}")
+
+
+def report(tags: list[tuple[int, int, int, int]] | None, name_of: Callable[[int], str]) -> str:
+    """The one line for a mismatch: where each group of slots was (tags: (slot, kind, index, step) per rank)."""
+    if not tags:
+        where = "their transactions differ"
+    else:
+        groups: dict[str, list[int]] = {}
+        for slot, kind, index, step in tags:
+            groups.setdefault(describe(kind, index, step, name_of), []).append(slot)
+        where = "; ".join(f"slot{'s' if len(s) > 1 else ''} {', '.join(map(str, sorted(s)))} in {w}"
+                          for w, s in sorted(groups.items(), key=lambda g: min(g[1])))
+    return (f"ulfmtrain: error: the ranks are out of phase ({where}): a replacement whose script restarted its own "
+            f"counter, optimizers stepped in another order on some ranks, or a collective on some ranks only? "
+            f"Fix: {FIX}")
+
+
+def stop(line: str | None) -> PhaseError:
+    """Print `line` (if this rank says it) and return the error that ends the rank with status 1."""
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return PhaseError()
