@@ -15,7 +15,7 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from .transport import exits, lifecycle
+from .transport import exits, hangs, lifecycle  # noqa: F401  # hangs: its watch starts when exits is armed
 
 # Before anything imports mpi4py.MPI, which would initialize MPI with no bound.
 if lifecycle.start_at_import():

@@ -573,8 +573,8 @@ def test_a_registered_state_that_needs_pickle_opts_in(tmp_path: Path) -> None:
             self.value = state["value"]
 
     tr = FakeTrainer()
-    with pytest.raises(TypeError, match=r"register_state\('odd', \.\.\.\): its state_dict\(\) holds what a safe "
-                                        r"load refuses .*Fraction.*pass pickle=True"):
+    with pytest.raises(TypeError, match=r"comm.track\(odd=\.\.\.\): its state_dict\(\) holds what a safe "
+                                        r"load refuses .*Fraction.*pickle=True"):
         tr.opt.register_state("odd", Odd())
     odd = Odd()
     odd.value = Fraction(2, 7)

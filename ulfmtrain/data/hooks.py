@@ -24,7 +24,7 @@ class SamplerHooks:
         from ..training.job_state import JobState
 
         self.job = JobState.of(comm)
-        self.opts = [opt] if opt is not None else list(self.job.optimizers)
+        self.opts: list[Any] = [opt] if opt is not None else list(self.job.optimizers)
         self.steps: Any = opt if opt is not None else self.job       # whose commits advance the sampler
         self._graph_task = torch._C._current_graph_task_id
         self._task, self.backwards = -1, 0

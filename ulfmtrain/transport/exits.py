@@ -53,6 +53,7 @@ _armed = False
 _at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (the fork server: forkserver.drain)
 _end_status: int | None = None    # the status the process ends with, whatever its program's (a failed end check)
 _leaving = threading.Lock()  # one thread leaves (the hang watch's, for a stuck main thread, or the main thread)
+_on_arm: list[Callable[[], object]] = []     # what starts with the exit protocol (the hang watch)
 _before_leave: list[Callable[[], None]] = []   # what a program's end runs first (a script's end check, the spares)
 
 
@@ -121,9 +122,16 @@ def arm_at_exit(timeout: float = 5.0) -> None:
         jobtree.note("started")
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
         atexit.register(finalize, timeout)
-        from . import hangs
+        for fn in _on_arm:
+            fn()
 
-        hangs.start()      # a rank that makes no progress for a bound fails (and is failed) like a killed one
+
+def when_armed(fn: Callable[[], object]) -> None:
+    """fn() once the exit protocol is armed, at once if it is (hangs.py: the hang watch starts with it)."""
+    if _armed:
+        fn()
+    else:
+        _on_arm.append(fn)
 
 
 def install() -> None:

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import board as boards
+from . import exits
 from .lifecycle import INIT_HANG_EXIT_CODE, env_seconds
 from .stall import die_told, in_bounded_wait
 
@@ -317,7 +318,7 @@ def start() -> Watch | None:
     """Start this rank's watch, once (exits.arm_at_exit); None when it is off or not under mpirun."""
     global _watch
     from .. import _ftcoll
-    from . import exits, tether
+    from . import tether
 
     try:
         if _watch is not None or floor() is None:
@@ -382,3 +383,8 @@ def _end_nobody(line: str) -> None:
     if _watch.board is not None:
         _watch.board.close(_watch.pid)
     os._exit(INIT_HANG_EXIT_CODE)
+
+
+# A rank that makes no progress for a bound fails (and is failed) like a killed one: from the exit protocol's
+# arming on (at the package's import in a rank).
+exits.when_armed(start)
