@@ -13,6 +13,7 @@ times) and, on success, summary.json of the attempt that finished.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,14 @@ def _started(run_dir: Path) -> bool:
 
 
 def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = None,
-                start_timeout: float | None = None) -> dict[str, Any]:
+                start_timeout: float | None = None,
+                hosts_down: Callable[[], list[str]] | None = None) -> dict[str, Any]:
     """Run one mpirun; return its exit status and the times it was launched, reported a failure and exited.
 
     With start_timeout, an attempt whose ranks wrote no start record (in run_dir) within that many
     seconds is killed: a launch that hangs, as one does when a host goes down while its daemon starts.
+    Until then hosts_down() is asked every second: a host that went down ends the attempt at once (PRRTE's
+    launch would wait for its daemon until the start timeout).
     """
     t_launch = time.time()
     proc = stopping.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -77,6 +81,7 @@ def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = No
     # Until a start record appears: where to look for it, and by when.
     watching = run_dir if start_timeout is not None else None
     start_by = t_launch + (start_timeout or 0.0)
+    probe_at, lost = t_launch + 1.0, []
     while True:
         left = None if end is None else max(0.0, end - time.time())
         if watching is not None:              # look for the start record twice a second
@@ -90,6 +95,9 @@ def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = No
             watching = None                   # up: from here only the whole attempt's timeout applies
         elif watching is not None and time.time() >= start_by:
             start_timed_out = True
+        elif watching is not None and hosts_down is not None and time.time() >= probe_at:
+            lost, probe_at = hosts_down(), time.time() + 1.0
+            start_timed_out = bool(lost)
         elif end is not None and time.time() >= end:
             timed_out = True
         if timed_out or start_timed_out:
@@ -100,7 +108,12 @@ def run_attempt(cmd: list[str], timeout: float | None, run_dir: Path | None = No
     for t in pumps:
         t.join(timeout=5)
     return {"rc": rc, "timed_out": timed_out, "start_timed_out": start_timed_out, "t_launch": t_launch,
-            "t_failure_reported": notice[0] if notice else None, "t_exit": t_exit}
+            "t_failure_reported": notice[0] if notice else None, "t_exit": t_exit, "lost_in_launch": lost}
+
+
+def down(hosts: list[str], is_up: Callable[[str], bool]) -> list[str]:
+    """The hosts that do not answer the probe."""
+    return [h for h in hosts if not is_up(h)]
 
 
 def host_is_up(host: str, port: int = 22, timeout: float = 1.0) -> bool:
@@ -204,7 +217,8 @@ def supervise(n: int | None, job: TrainJob, *, max_attempts: int = 5, relaunch: 
         print(f"{PROG}: attempt {attempt}/{max_attempts}: {size} ranks"
               + (f", resuming from {pointer['file']}" if pointer else ", from scratch" if not resume else ""),
               file=sys.stderr, flush=True)
-        res = run_attempt(cmd, timeout, run_dir, start_timeout)
+        probe = functools.partial(down, list(live), is_up) if live else None
+        res = run_attempt(cmd, timeout, run_dir, start_timeout, probe)
         logs = read_rank_logs(run_dir) if run_dir.exists() else {}
         fired = sorted({r["spec"] for r in select(logs, Event.KILL)})
         started = bool(select(logs, Event.START))
@@ -223,9 +237,11 @@ def supervise(n: int | None, job: TrainJob, *, max_attempts: int = 5, relaunch: 
                   f"({attempt - 1} relaunch{'es' if attempt != 2 else ''})", file=sys.stderr, flush=True)
             return 0
         why = ("timed out" if res["timed_out"] else
+               f"host(s) {', '.join(res['lost_in_launch'])} down before any rank started"
+               if res["lost_in_launch"] else
                f"no rank started within --start-timeout {start_timeout:g} s" if res["start_timed_out"] else
                f"kill {', '.join(fired)}" if fired else f"mpirun exit status {res['rc']}")
-        lost = [h for h in live if not is_up(h)] if not started else []
+        lost = down(live, is_up) if not started else []
         if lost:                          # not the job's fault: a host died while it launched
             print(f"{PROG}: attempt {attempt} failed before training started ({why}); host(s) "
                   f"{', '.join(lost)} went down during its launch"
