@@ -67,14 +67,14 @@ class Blob:
     """The replicated state a replacement takes: `size` bytes (a serialized model and optimizer)."""
 
     def __init__(self, size: int) -> None:
-        self.payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        self.data = bytes(range(256)) * (size // 256) + bytes(size % 256)
         self.received = 0
 
-    def handover_payload(self) -> bytes:
-        return self.payload
+    def payload(self) -> bytes:
+        return self.data
 
-    def take_handover(self, blob: bytes) -> None:
-        if blob != self.payload:
+    def take(self, blob: bytes) -> None:
+        if blob != self.data:
             raise RuntimeError("the state handed over is not the survivors' state")
         self.received = len(blob)
 
@@ -138,7 +138,7 @@ def _references(comm: Any, blob: Blob, a: argparse.Namespace, send: Any, recv: A
     for m in made:
         retire(m)       # never freed, as a repair's are (a freed one's context id would come back)
     ref["step_ms"] = _timed(lambda: comm.transaction(lambda _: comm.reduce_try(send, recv)), a.iters, 1e3)
-    state = np.frombuffer(bytearray(blob.payload), dtype=np.uint8)
+    state = np.frombuffer(bytearray(blob.data), dtype=np.uint8)
     small = state[:4096].copy()
 
     def p2p(buf: Any) -> None:
@@ -192,10 +192,8 @@ def worker(argv: list[str]) -> None:
     recv = np.empty_like(send)
 
     def step() -> None:
-        comm.transaction(lambda _: comm.reduce_try(send, recv))
-        if comm.pending_handover:       # a newcomer that took a slot: after the step (DistributedOptimizer's)
-            comm.pending_handover = False
-            comm.hand_over()
+        comm.at_step_start()            # a vacant slot refilled, a newcomer joined and handed the state (as
+        comm.transaction(lambda _: comm.reduce_try(send, recv))     # DistributedOptimizer's step does)
 
     if comm.joined is not None:                         # the respawned process that refills the spare
         rec.update(role="newcomer", joined=comm.joined)
