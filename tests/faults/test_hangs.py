@@ -221,7 +221,7 @@ def test_a_deadlock_in_a_users_loop_is_a_failure_a_spare_repairs(tmp_path):
     assert proc.returncode == 0 and sorted(got) == [0, 1, 2], proc.stderr[-3000:]
     assert all(g["history"] == [3, 3] and g["consistent"] for g in got.values()), got
     (line,) = [x for x in proc.stderr.splitlines() if STUCK in x]
-    assert "world rank 1 (after step 29)" in line and "hang_loop.py" in line, line
+    assert "world rank 1 (after step 30)" in line and "hang_loop.py" in line, line      # comm.step: 30 committed
 
 
 # -- long: more cases of the same rules -----------------------------------------------------------------

@@ -260,16 +260,3 @@ def judge(board: Board, me: Row) -> str | None:
                 "report, or a fault path that never returns; the job ends (status 3). Resume it from a checkpoint "
                 "(--ckpt-dir, under `ulfmtrain supervise`)")
     return None
-    if time.time() - board.last_eviction() < me["bound"]:
-        return None             # an eviction within the bound: its repair is under way
-    seen = sum(1 for r in rows if r["role"] == "member" and r["host"] == me["host"])
-    if seen < me["size"]:       # peers on other hosts, out of sight (the normal launch across hosts)
-        return (f"ulfmtrain: error: {me['where']} has waited in ulfmtrain for {me['for']:.0f} s (bound "
-                f"{me['bound']:g} s) for a peer on another host, which may have hung: the job ends (status 3); "
-                "`launch --agent` evicts a hung rank on another host instead")
-    if nobody_comes(me, rows):
-        return (f"ulfmtrain: error: {me['where']} and every rank of the job have waited in ulfmtrain for "
-                f"{me['for']:.0f} s (bound {me['bound']:g} s), none of them hung: a death that Open MPI did not "
-                "report, or a fault path that never returns; the job ends (status 3). Resume it from a checkpoint "
-                "(--ckpt-dir, under `ulfmtrain supervise`)")
-    return None

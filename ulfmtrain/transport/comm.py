@@ -174,6 +174,7 @@ class _CommBase(ScriptCollectives):
         exits.register(self)        # a failure of this rank meets its peers' next agree on self.comm
         self.started = False        # the start-up (initial state, checkpoint set-up) committed on every rank
         self.saving = False         # inside a checkpoint's blocking save (a spare taking a slot joins its next round)
+        hangs.publish()             # this rank's row says it is a member (or a spare) from now on
 
     @property
     def rank(self) -> int:

@@ -334,9 +334,27 @@ def start() -> Watch | None:
     else:
         _watch.board = boards.Board(board_directory())
         exits.at_leave(stop)
+    # A row from the first moment, not from the first tick: a warm rank (a fork) can train 25 steps before that
+    # tick, and one stopped in them never wrote a row, so its peers never saw it frozen (they ended with status 3).
+    publish()
     _watch.thread = threading.Thread(target=_watch.run, name="ulfmtrain-hang-watch", daemon=True)
     _watch.thread.start()
     return _watch
+
+
+def publish() -> None:
+    """Write this process's row now: at the watch's start, and when it becomes a member or a spare (comm.py), so
+    that one frozen before its first tick is seen as what it is."""
+    if _watch is None:
+        return
+    try:
+        row = _watch.make_row(time.monotonic(), bound(_watch._comm()))
+    except Exception:  # noqa: BLE001  # (a communicator half made): the next tick writes it
+        return
+    if _watch.send is not None:
+        _watch.send("h " + json.dumps(row))
+    elif _watch.board is not None:
+        _watch.board.write(row)
 
 
 def board_directory() -> str:
