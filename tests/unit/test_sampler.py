@@ -121,6 +121,30 @@ def test_rebalance_hands_remaining_ids_to_their_new_holders():
     assert sorted(run_epoch(s)) == remaining
 
 
+def test_a_join_at_a_steps_start_leaves_the_batches_in_flight_with_their_ranks():
+    """A respawned process joins at the start of a step whose batches the survivors drew already (a loop of your
+    own draws, then opt.step() joins): those batches train in that step and are consumed at its commit, the
+    newcomer draws nothing in it, and the epoch sees every record once (before: 16 records trained twice)."""
+    s = make(60, 2, 4)
+    s.start_epoch(0)
+    seen = Counter()
+    for _ in range(2):
+        for w in (0, 1):
+            seen.update(s.batch_ids(w).tolist())
+        s.commit()
+    drawn = {w: s.batch_ids(w).tolist() for w in (0, 1)}          # the step in flight
+    s.rebalance(initial_holdings(60, 3))                           # the join, inside that step
+    assert {w: s.batch_ids(w).tolist() for w in (0, 1)} == drawn and s.batch_ids(2).size == 0
+    for w in (0, 1):
+        seen.update(drawn[w])
+    s.commit()
+    while not s.epoch_done():
+        for w in (0, 1, 2):
+            seen.update(s.batch_ids(w).tolist())
+        s.commit()
+    assert sorted(seen) == list(range(60)) and max(seen.values()) == 1
+
+
 def test_bad_arguments_name_the_problem():
     with pytest.raises(ValueError, match="batch must be at least 1"):
         make(10, 2, 0)

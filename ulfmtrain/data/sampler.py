@@ -136,13 +136,21 @@ class EpochSampler:
         return gained
 
     def rebalance(self, new_holdings: Mapping[int, Ranges]) -> None:
-        """Hand every id still to be consumed this epoch to the rank that holds it in another world."""
-        remaining = [self.queues[w][self.cursors[w]:] for w in sorted(self.queues)]
-        rest = np.concatenate(remaining) if remaining else np.empty(0, dtype=np.int64)
+        """Hand every id still to be consumed this epoch to the rank that holds it in another world.  The batches
+        of a step in flight (drawn: a join at its start) stay with the ranks that drew them and train in it; a
+        rank new to the world draws nothing in it.  (Before, they were dealt again: a newcomer trained records
+        that a survivor trained in the same step.)"""
+        flight = self.taken or {}
+        drawn = {w: self.queues[w][self.cursors[w]:self.cursors[w] + flight.get(w, 0)] for w in self.queues}
+        remaining = [self.queues[w][self.cursors[w] + flight.get(w, 0):] for w in sorted(self.queues)]
         self.holdings = {int(w): merge_ranges(r) for w, r in new_holdings.items()}
-        self.queues = {w: rest[_held_by(rest, self.holdings[w])] for w in sorted(self.holdings)}
+        remaining += [b for w, b in drawn.items() if w not in self.holdings]     # (a rank gone: its batch is dealt)
+        rest = np.concatenate(remaining) if remaining else np.empty(0, dtype=np.int64)
+        none = np.empty(0, dtype=np.int64)
+        self.queues = {w: np.concatenate([drawn.get(w, none), rest[_held_by(rest, self.holdings[w])]])
+                       for w in sorted(self.holdings)}
         self.cursors = {w: 0 for w in self.queues}
-        self.taken = None
+        self.taken = None if self.taken is None else {w: len(drawn.get(w, none)) for w in self.queues}
 
     def state(self) -> dict[str, Any]:
         """Everything needed to continue identically (saved with the replica and in checkpoints)."""
