@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ulfmtrain.launching.launch import mpirun_prefix
+
 pytestmark = pytest.mark.faults
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SLOTS, BOUND_S = 3, 150
@@ -202,6 +204,27 @@ def test_optimizers_stepped_in_another_order_on_one_rank_stop_the_job(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if "out of phase" in x]
     assert len(lines) == 1 and "slot 1 in opt1.step() of step 3" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(BOUND_S)
+def test_a_replacement_whose_loop_ends_on_the_world_size_stops_the_job_instead_of_a_respawn_loop(tmp_path):
+    """Respawn, a loop `while ... comm.size < 3`: the newcomer joins at the start of the step its peers are in,
+    sees 3 and ends its script at once.  Before: it left as a rank that exits mid-run, was respawned, and did so
+    again, for good (a livelock: 180 s, the test's bound).  Now every rank ends with status 1 and one line that
+    names the replacement and the cause."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [*mpirun_prefix(3), sys.executable, "-P", str(SCRIPTS / "slot_device.py"), str(out), "size-loop"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND_S - 10,
+                              env={**os.environ, "ULFMTRAIN_REPLACE": "respawn"})
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the job did not end (a respawn loop?): {str(exc.stderr)[-2000:]}")
+    lines = [x for x in proc.stderr.splitlines() if "out of phase" in x]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(lines) == 1 and "a replacement that took no step with its peers" in lines[0], proc.stderr[-3000:]
+    assert "slot 1 in the end of the script" in lines[0] and "slots 0, 2 in opt.step() of step" in lines[0], lines
+    assert proc.stderr.count("ended its program while its peers train on") <= 1, proc.stderr[-3000:]
 
 
 @pytest.mark.timeout(BOUND_S)

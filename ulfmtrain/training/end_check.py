@@ -65,7 +65,8 @@ def differing(comm: Comm, crc: int, what: str = "state") -> str:
 
 def _checked_phase(comm: Comm, job: JobState) -> Callable[[int], None]:
     """The end check's attempt: the phase check with the END tag."""
-    tag = phase.tag(phase.END, 0, comm.step, problem=job.problem is not None)
+    fresh = getattr(comm, "takeover", None) is not None and not job.commits_here
+    tag = phase.tag(phase.END, phase.FRESH if fresh else 0, comm.step, problem=job.problem is not None)
 
     def attempt(_: int) -> None:
         comm.check_phase(tag, np.zeros_like(tag))

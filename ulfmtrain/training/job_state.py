@@ -114,6 +114,7 @@ class JobState:
         self.stopped = False                      # the phase check ended the job
         self.in_flight: tuple[int, str] = (0, "")   # the kind and optimizer of the transaction this rank is in
         self._last_step = 0
+        self.commits_here = 0                     # steps this process committed (a replacement: with its peers)
         self._since: dict[str, int] = {}          # steps each optimizer committed since the job's step advanced
         self._commit_hooks: list[Callable[[], None]] = []
         self._attempt_hooks: list[Callable[[int, int], None]] = []
@@ -208,6 +209,7 @@ class JobState:
     def committed(self, opt: DistributedOptimizer) -> None:
         """opt's step committed (its count is up): when the job's step advances, the sampler advances."""
         self._since[opt.name] = self._since.get(opt.name, 0) + 1
+        self.commits_here += 1
         self._received_optimizers.clear()       # what was received is history: later objects keep their state
         if self.step > self._last_step:
             self._last_step = self.step

@@ -25,6 +25,9 @@ FIX = ("start step loops at the committed step (`for step in range(comm.step, ma
        "collectives on every rank")
 
 
+FRESH = 1          # an END tag's index: the rank is a replacement that committed no step with its peers
+
+
 class LeftEarly(Exception):
     """This rank's script ended while most of its peers are still stepping alike: it leaves as a rank that failed
     (exits.py's protocol), and they repair around it, as after a rank that calls sys.exit() mid-run."""
@@ -39,8 +42,8 @@ def left_early(tags: list[tuple[int, int, int, int]], mine: tuple[int, int, int]
     what this rank raises (LeftEarly at the end, PeerLeft in that transaction); None: the job stops."""
     ended = [t for t in tags if t[1] == END]
     going = {t[1:] for t in tags if t[1] != END}
-    if not ended or len(going) != 1 or len(ended) * 2 >= len(tags):
-        return None
+    if not ended or len(going) != 1 or len(ended) * 2 >= len(tags) or any(t[2] == FRESH for t in ended):
+        return None             # (a replacement that ended before any step: one replaced would end so again)
     return LeftEarly() if mine[0] == END else PeerLeft()
 
 
@@ -79,6 +82,9 @@ def describe(kind: int, index: int, step: int, name_of: Callable[[int], str]) ->
     """What a rank was doing, in words."""
     if kind == STEP:
         return f"{name_of(index)}.step() of step {step}"
+    if kind == END and index == FRESH:
+        return (f"the end of the script after step {step}, a replacement that took no step with its peers (its loop "
+                "decided on something that changes when it joins: the world size?)")
     op = OPS[index] if kind == COLLECTIVE and index < len(OPS) else ""
     return {COLLECTIVE: f"comm.allreduce({op}) after step {step}", BARRIER: f"comm.barrier() after step {step}",
             END: f"the end of the script after step {step}"}.get(kind, f"transaction kind {kind} at step {step}")
