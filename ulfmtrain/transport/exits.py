@@ -119,6 +119,7 @@ def arm_at_exit(timeout: float = 5.0) -> None:
         _armed = True
         install()
         jobtree.watch_launcher()
+        jobtree.workers_die_with_rank()
         jobtree.note("started")
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
         atexit.register(finalize, timeout)

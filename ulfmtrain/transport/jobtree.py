@@ -107,6 +107,32 @@ def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
         os._exit(1)
 
 
+class _Forks:
+    """Whether the latest fork came from the main thread, and from which process (workers_die_with_rank)."""
+
+    main, parent = False, 0
+
+    def before(self) -> None:
+        self.main, self.parent = threading.current_thread() is threading.main_thread(), os.getpid()
+
+    def in_worker(self) -> None:
+        if self.main:                 # (PR_SET_PDEATHSIG follows the forking thread: only the main one lasts)
+            die_with_parent(self.parent, signal.SIGKILL)
+
+
+_forks = _Forks()
+
+
+def workers_die_with_rank() -> None:
+    """In a rank: a multiprocessing child it forks from its main thread (a DataLoader worker) is SIGKILLed when
+    the rank dies, even by SIGKILL.  Such a worker otherwise outlived it until torch's own 5 s check, and one
+    caught handing a batch's file descriptors over printed a traceback (multiprocessing's resource sharer)."""
+    import multiprocessing.util
+
+    os.register_at_fork(before=_forks.before)
+    multiprocessing.util.register_after_fork(_forks, _Forks.in_worker)
+
+
 def watch_launcher() -> None:
     """In a rank: once the process named by $ULFMTRAIN_LAUNCHER is gone (launch SIGKILLed), end this rank's tree
     (its DataLoader workers, a fork server it started) and the rank, by SIGKILL.  A daemon thread that waits on
