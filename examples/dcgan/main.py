@@ -8,13 +8,14 @@ import torch.nn.parallel
 import torch.backends.cudnn as cudnn
 import torch.optim as optim
 import torch.utils.data
-import torchvision.datasets as dset
-import torchvision.transforms as transforms
-import torchvision.utils as vutils
+import torch.nn.functional as F
+from matplotlib.image import imsave
+from sklearn.datasets import load_digits
+import ulfmtrain
 
 
 parser = argparse.ArgumentParser()
-parser.add_argument('--dataset', required=True, help='cifar10 | lsun | mnist |imagenet | folder | lfw | fake')
+parser.add_argument('--dataset', default='digits', choices=['digits'], help='scikit-learn\'s 8x8 digits (no download)')
 parser.add_argument('--dataroot', required=False, help='path to dataset')
 parser.add_argument('--workers', type=int, help='number of data loading workers', default=2)
 parser.add_argument('--batchSize', type=int, default=64, help='input batch size')
@@ -30,7 +31,7 @@ parser.add_argument('--ngpu', type=int, default=1, help='number of GPUs to use')
 parser.add_argument('--netG', default='', help="path to netG (to continue training)")
 parser.add_argument('--netD', default='', help="path to netD (to continue training)")
 parser.add_argument('--outf', default='.', help='folder to output images and model checkpoints')
-parser.add_argument('--manualSeed', type=int, help='manual seed')
+parser.add_argument('--manualSeed', type=int, default=999, help='manual seed')
 parser.add_argument('--classes', default='bedroom', help='comma separated list of classes for the lsun data set')
 parser.add_argument('--accel', action='store_true', default=False, help='enables accelerator')
 
@@ -57,55 +58,15 @@ else:
 
 print(f"Using device: {device}")
 
-if opt.dataroot is None and str(opt.dataset).lower() != 'fake':
-    raise ValueError("`dataroot` parameter is required for dataset \"%s\"" % opt.dataset)
-
-if opt.dataset in ['imagenet', 'folder', 'lfw']:
-    # folder dataset
-    dataset = dset.ImageFolder(root=opt.dataroot,
-                               transform=transforms.Compose([
-                                   transforms.Resize(opt.imageSize),
-                                   transforms.CenterCrop(opt.imageSize),
-                                   transforms.ToTensor(),
-                                   transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-                               ]))
-    nc=3
-elif opt.dataset == 'lsun':
-    classes = [ c + '_train' for c in opt.classes.split(',')]
-    dataset = dset.LSUN(root=opt.dataroot, classes=classes,
-                        transform=transforms.Compose([
-                            transforms.Resize(opt.imageSize),
-                            transforms.CenterCrop(opt.imageSize),
-                            transforms.ToTensor(),
-                            transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-                        ]))
-    nc=3
-elif opt.dataset == 'cifar10':
-    dataset = dset.CIFAR10(root=opt.dataroot, download=True,
-                           transform=transforms.Compose([
-                               transforms.Resize(opt.imageSize),
-                               transforms.ToTensor(),
-                               transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-                           ]))
-    nc=3
-
-elif opt.dataset == 'mnist':
-        dataset = dset.MNIST(root=opt.dataroot, download=True,
-                           transform=transforms.Compose([
-                               transforms.Resize(opt.imageSize),
-                               transforms.ToTensor(),
-                               transforms.Normalize((0.5,), (0.5,)),
-                           ]))
-        nc=1
-
-elif opt.dataset == 'fake':
-    dataset = dset.FakeData(image_size=(3, opt.imageSize, opt.imageSize),
-                            transform=transforms.ToTensor())
-    nc=3
+comm = ulfmtrain.connect()
+digits = load_digits()  # 8x8 digits, no download: resized to imageSize and normalized to [-1, 1] as upstream's
+x = F.interpolate(torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16, size=opt.imageSize, mode='bilinear')
+dataset = torch.utils.data.TensorDataset((x - 0.5) / 0.5)
+nc=1
 
 assert dataset
-dataloader = torch.utils.data.DataLoader(dataset, batch_size=opt.batchSize,
-                                         shuffle=True, num_workers=int(opt.workers))
+sampler = ulfmtrain.ExactlyOnceSampler(len(dataset), comm, batch_size=opt.batchSize, seed=opt.manualSeed)
+dataloader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=int(opt.workers))
 
 ngpu = int(opt.ngpu)
 nz = int(opt.nz)
@@ -213,13 +174,16 @@ real_label = 1
 fake_label = 0
 
 # setup optimizer
-optimizerD = optim.Adam(netD.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999))
-optimizerG = optim.Adam(netG.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999))
+# seed: a replacement draws the noise of the rank it replaces
+optimizerD = ulfmtrain.DistributedOptimizer(optim.Adam(netD.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999)),
+                                            comm, model=netD, seed=opt.manualSeed)
+optimizerG = ulfmtrain.DistributedOptimizer(optim.Adam(netG.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999)),
+                                            comm, model=netG, seed=opt.manualSeed)
 
 if opt.dry_run:
     opt.niter = 1
 
-for epoch in range(opt.niter):
+for epoch in sampler.epochs(0, opt.niter):
     for i, data in enumerate(dataloader, 0):
         ############################
         # (1) Update D network: maximize log(D(x)) + log(1 - D(G(z)))
@@ -261,17 +225,18 @@ for epoch in range(opt.niter):
         print('[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f'
               % (epoch, opt.niter, i, len(dataloader),
                  errD.item(), errG.item(), D_x, D_G_z1, D_G_z2))
-        if i % 100 == 0:
-            vutils.save_image(real_cpu,
-                    '%s/real_samples.png' % opt.outf,
-                    normalize=True)
-            fake = netG(fixed_noise)
-            vutils.save_image(fake.detach(),
-                    '%s/fake_samples_epoch_%03d.png' % (opt.outf, epoch),
-                    normalize=True)
 
         if opt.dry_run:
             break
-    # do checkpointing
+    # do checkpointing, and the samples once an epoch (rank 0; G in eval mode: no replica's state changes)
+    if comm.rank != 0:
+        continue
+    netG.eval()
+    with torch.no_grad():
+        fake = netG(fixed_noise)
+    netG.train()
+    imsave('%s/real_samples.png' % opt.outf, torch.cat(list(real_cpu[:8, 0].cpu()), 1).numpy(), cmap='gray')
+    imsave('%s/fake_samples_epoch_%03d.png' % (opt.outf, epoch), torch.cat(list(fake[:8, 0].cpu()), 1).numpy(),
+           cmap='gray')
     torch.save(netG.state_dict(), '%s/netG_epoch_%d.pth' % (opt.outf, epoch))
     torch.save(netD.state_dict(), '%s/netD_epoch_%d.pth' % (opt.outf, epoch))

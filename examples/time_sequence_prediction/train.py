@@ -7,6 +7,7 @@ import numpy as np
 import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
+import ulfmtrain
 
 class Sequence(nn.Module):
     def __init__(self):
@@ -43,8 +44,9 @@ if __name__ == '__main__':
     # set random seed to 0
     np.random.seed(0)
     torch.manual_seed(0)
+    comm = ulfmtrain.connect()
     # load data and make training set
-    data = torch.load('traindata.pt')
+    data = torch.load('traindata.pt').numpy()
     input = torch.from_numpy(data[3:, :-1])
     target = torch.from_numpy(data[3:, 1:])
     test_input = torch.from_numpy(data[:3, :-1])
@@ -54,14 +56,14 @@ if __name__ == '__main__':
     seq.double()
     criterion = nn.MSELoss()
     # use LBFGS as optimizer since we can load the whole data to train
-    optimizer = optim.LBFGS(seq.parameters(), lr=0.8)
-    #begin to train
-    for i in range(opt.steps):
+    optimizer = ulfmtrain.DistributedOptimizer(optim.LBFGS(seq.parameters(), lr=0.8), comm, model=seq)
+    #begin to train (a replacement: from the job's step)
+    for i in range(comm.step, opt.steps):
         print('STEP: ', i)
         def closure():
             optimizer.zero_grad()
-            out = seq(input)
-            loss = criterion(out, target)
+            out = seq(input[comm.rank::comm.size])  # this rank's share of the training waves
+            loss = criterion(out, target[comm.rank::comm.size])
             print('loss:', loss.item())
             loss.backward()
             return loss
@@ -73,7 +75,9 @@ if __name__ == '__main__':
             loss = criterion(pred[:, :-future], test_target)
             print('test loss:', loss.item())
             y = pred.detach().numpy()
-        # draw the result
+        # draw the result (rank 0)
+        if comm.rank != 0:
+            continue
         plt.figure(figsize=(30,10))
         plt.title('Predict future values for time sequences\n(Dashlines are predicted values)', fontsize=30)
         plt.xlabel('x', fontsize=20)
