@@ -161,17 +161,16 @@ def judged(run: Run, name: str, slots: list[int], tracebacks: int = 0) -> int:
     return next(iter(sums.values()))
 
 
-_free: dict[str, tuple[Run, int]] = {}
-
-
 @pytest.fixture(scope="module")
 def failure_free(mpi, tmp_path_factory):
-    """The failure-free run of a shape, once per module whichever tests ask for it."""
+    """The failure-free run of a shape and its checksum, once per module whichever tests ask for it."""
+    runs: dict[str, tuple[Run, int]] = {}
+
     def of(name: str) -> tuple[Run, int]:
-        if name not in _free:
+        if name not in runs:
             r = run(mpi, name, tmp_path_factory.mktemp(name) / "free")
-            _free[name] = (r, judged(r, name, list(range(SLOTS))))
-        return _free[name]
+            runs[name] = (r, judged(r, name, list(range(SLOTS))))
+        return runs[name]
     return of
 
 
