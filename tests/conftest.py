@@ -132,6 +132,10 @@ def launch_script(script: Path, out: Path, args: list[str], timeout: float, *, n
     cmd = [sys.executable, "-m", "ulfmtrain", "launch", "-n", str(n), "--spares", str(spares), "--", "python",
            str(script), str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    failed_start = next((m for m in RUNTIME_START_FAILURES if m in proc.stdout + proc.stderr), None)
+    if failed_start is not None:        # before any rank ran: once more, as _run does
+        print(f"launch: Open MPI's runtime did not start ({failed_start}); launching once more", file=sys.stderr)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
     def ours() -> set[int]:
         pids = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()

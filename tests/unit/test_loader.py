@@ -223,8 +223,8 @@ def test_a_replacement_in_a_loop_without_set_epoch_is_refused_at_the_next_epoch(
     newcomer.s.load_state(ranks[1].s.state())
     for _ in newcomer.loader:                         # the rest of the job's epoch: in phase
         newcomer.opt.commit()
-    with pytest.raises(Refused):
-        iter(newcomer.loader)
+    with pytest.raises(Refused):       # at the first batch asked for (with workers: in iter(), which asks)
+        next(iter(newcomer.loader))
     assert "sampler.epochs(0, E)" in capsys.readouterr().err
 
 

@@ -1,4 +1,6 @@
 """DistributedOptimizer logic on a fake one-process communicator (pure logic, not proof of recovery)."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -210,3 +212,39 @@ def test_scale_lr_follows_the_world_at_the_commit_and_travels_in_the_state():
     other.load_state_dict(opt.state_dict())
     other.step()
     assert other.param_groups[0]["lr"] == pytest.approx(0.04, rel=1e-12)
+
+
+def test_a_closure_that_returns_its_loss_with_the_graph_warns_nothing():
+    """LBFGS's own documentation, and pytorch/examples' time_sequence_prediction, return `loss` from the closure,
+    not `loss.detach()`.  Before: every call warned "Converting a tensor with requires_grad=True to a scalar"."""
+    import warnings
+
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = DistributedOptimizer(torch.optim.LBFGS(model.parameters(), max_iter=3), FakeComm(3), model=model)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = opt.step(closure)
+    assert opt.step_count == 1 and torch.isfinite(loss)
+
+
+def test_loading_the_state_a_model_holds_already_leaves_its_tensors_untouched():
+    """A replacement that skipped a step its peers had committed (a GAN's D step) gets the tracked state back at
+    its next forward; a tensor whose value is that already must not be written: autograd keeps tensors of the
+    graph that a forward before the skip built (DCGAN's `fake = netG(noise)`, used by G's backward after D's
+    step), and an in-place copy, even of the same values, makes that backward fail."""
+    model, _, opt = make()
+    entry = copy.deepcopy(opt._entry())          # as a hand-over holds it (state_dict's tensors are views)
+    with torch.no_grad():
+        model[0].bias.add_(1.0)
+    versions = {k: p._version for k, p in model.named_parameters()}
+    opt._load_entry(entry)
+    written = [k for k, p in model.named_parameters() if p._version != versions[k]]
+    assert written == ["0.bias"] and torch.equal(model[0].bias, entry["model"]["0.bias"])

@@ -46,9 +46,10 @@ class SamplerHooks:
         """fn(step, attempt) before this rank's first contribution to each attempt of a step."""
         self.steps._add_attempt_hook(fn)
 
-    def track(self, name: str, get: Callable[[], Any], set: Callable[[Any], None]) -> None:
-        """Part of the state every replica keeps and a replacement receives (loaded here on a replacement)."""
-        self.job.register(name, get, set)
+    def track(self, name: str, get: Callable[[], Any], set: Callable[[Any], None], *, restore: bool = True) -> None:
+        """Part of the state every replica keeps and a replacement receives (loaded here on a replacement);
+        restore: see JobState.register."""
+        self.job.register(name, get, set, restore=restore)
 
     def expect(self, samples: int) -> None:
         """This rank's samples in the next step: its weight in the gradient mean."""

@@ -99,7 +99,9 @@ class ExactlyOnceSampler:
         self._start(0)
         self.hooks.on_commit(self._committed)
         self.hooks.on_attempt(self._attempt)
-        self.hooks.track("sampler", self.state, self.load_state)    # a replacement's loads here
+        # A replacement's loads here.  Not put back after a skipped step (a GAN's D step, whose peers committed it
+        # while the job's step stayed): nothing moved the plan, and a reload would start the pass over.
+        self.hooks.track("sampler", self.state, self.load_state, restore=False)
         # First among the listeners, so that the recovery's log line carries what was re-planned.
         getattr(comm, "_listeners").insert(0, self._replan)  # noqa: B009  # not in the Comm protocol
         if hasattr(comm, "add_join_listener"):       # a RespawnComm: a newcomer fills an empty slot
@@ -180,9 +182,9 @@ class ExactlyOnceSampler:
         if self.done >= len(self.step_epoch):
             if not self._told and getattr(self.comm, "takeover", None) is not None:
                 # This rank alone: it leaves, and the survivors go on without it.
-                refuse(f"a loop without set_epoch on a replacement: it cannot tell which of the script's epochs "
-                       f"follows the job's epoch {self.epoch}; loop with `for epoch in sampler.epochs(0, E)` (it "
-                       "starts a replacement at the job's epoch)", speak=True)
+                return _refusing(f"a loop without set_epoch on a replacement: it cannot tell which of the script's "
+                                 f"epochs follows the job's epoch {self.epoch}; loop with `for epoch in "
+                                 "sampler.epochs(0, E)` (it starts a replacement at the job's epoch)")
             self._start(self.epoch + 1)          # a loop without set_epoch: the next epoch (carried steps first)
         self._pass = _Batches(self)
         self._pass_backwards, self._per_step = self.hooks.backwards, None
@@ -336,6 +338,13 @@ class ExactlyOnceSampler:
         self.generation += 1
         self._handed, self._pass = self.done * self.k, None
         self._expect()
+
+
+def _refusing(line: str) -> Iterator[list[int]]:
+    """Refuse at the first batch asked for, not in iter(): DataLoader's iterator is made by then, so it shuts its
+    workers down (refused in iter(), its half-made iterator printed an AttributeError from __del__)."""
+    refuse(line, speak=True)
+    yield from ()
 
 
 class _Batches:

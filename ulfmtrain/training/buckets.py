@@ -169,7 +169,10 @@ class BufferBucket:
         if self._dev is not None:
             self._dev.copy_(self.recv)
             src = self._dev
-        with torch.no_grad():
+        # Without a new version: a forward in training mode saves batch norm's running statistics for its backward
+        # (which does not read them), and another optimizer's commit can come between the two (a GAN's D step
+        # averages G's, whose `fake = G(z)` G's step backpropagates).
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(self.buffers)):
             for b, v in zip(self.buffers, src.split(self.sizes)):
                 b.copy_(v.view_as(b))
 

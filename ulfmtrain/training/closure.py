@@ -43,7 +43,6 @@ class ClosureStep:
     job: JobState
     optimizer: torch.optim.Optimizer
     buckets: list[GradBucket]
-    _buffer_buckets: list[BufferBucket]
     overlap: Overlap | None
     step_count: int
     _tag: tuple[np.ndarray, np.ndarray]
@@ -59,9 +58,10 @@ class ClosureStep:
         def _attempt(self, attempt: int) -> None: ...
         def _check_phase(self) -> None: ...
         def _kill_index(self) -> int: ...
+        def _step_buffers(self) -> list[BufferBucket]: ...
         def _finish_scale(self) -> float: ...
         def _committed(self, scale: float) -> None: ...
-        def _entry(self) -> dict[str, Any]: ...
+        def _entry(self, live: bool = False) -> dict[str, Any]: ...
         def _load_entry(self, entry: dict[str, Any]) -> None: ...
 
     def _closure_step(self, closure: Callable[[], Any], samples: int | None) -> Any:
@@ -94,7 +94,7 @@ class ClosureStep:
             with self.overlap.no_sync() if self.overlap is not None else contextlib.nullcontext():
                 loss = self.optimizer.step(self._reduced(closure))
             lowest = self.comm.rank == 0
-            for bb in self._buffer_buckets:
+            for bb in self._step_buffers():
                 bb.prepare(self._weight_sent, lowest)
                 self.comm.reduce_try(bb.send.numpy(), bb.recv.numpy(), MPI.SUM)
             return loss
@@ -122,7 +122,9 @@ class ClosureStep:
                     faults.point(self.step_count, Phase.ALLREDUCE)
                 self.comm.reduce_try(*b.arrays(), MPI.SUM)
             # The loss's mean, and the call's number: every rank must call the closure alike (phase.py).
-            send = np.array([w * float(loss) if loss is not None else 0.0, calls, calls * calls])
+            # detach(): a closure may return the loss with its graph (LBFGS's documented habit)
+            value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+            send = np.array([w * value, calls, calls * calls])
             recv = np.zeros(3)
             self.comm.reduce_try(send, recv, MPI.SUM)
             if recv[1] * recv[1] != recv[2] * self.comm.size:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..core.refusal import refused
 from ..transport import exits, faults, phase
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def end_of_script(comm: Comm, job: JobState) -> None:
     except phase.LeftEarly:
         exits.leave(failed=False)       # its peers train on: it dies by SIGKILL there and they repair
         return
-    if not same:
+    if not same and not refused():      # a refusal (its line is out, the status 1) judges nothing more
         line = differing(comm, crc)
         if comm.rank == 0:
             print(line, file=sys.stderr, flush=True)

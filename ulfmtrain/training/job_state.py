@@ -40,7 +40,7 @@ class DistributedOptimizer(Protocol):
     step_count: int
     optimizer: torch.optim.Optimizer
 
-    def _entry(self) -> dict[str, Any]: ...
+    def _entry(self, live: bool = False) -> dict[str, Any]: ...
     def _load_entry(self, entry: dict[str, Any]) -> None: ...
 
 BCAST = 8                   # in_flight's kind for an optimizer's initial broadcast (phase.py's kinds are below it)
@@ -127,6 +127,7 @@ class JobState:
         self._skip: dict[str, int] = {}
         self._restore_due = False
         self._received_optimizers: dict[str, dict[str, Any]] = {}
+        self._unrestored: set[str] = set()
         if hasattr(comm, "handover"):
             setattr(comm, "handover", self)  # noqa: B010  # a SpareComm's: it calls payload()/take()
 
@@ -149,12 +150,16 @@ class JobState:
         """The name of the index-th optimizer (phase check lines)."""
         return self.optimizers[index].name if 0 <= index < len(self.optimizers) else f"optimizer {index}"
 
-    def register(self, name: str, get: Getter, set: Setter) -> None:
-        """Make (get, set) part of the state under `name`; a replacement that received it loads it now."""
+    def register(self, name: str, get: Getter, set: Setter, *, restore: bool = True) -> None:
+        """Make (get, set) part of the state under `name`; a replacement that received it loads it now.
+        `restore=False`: a state that only commits and re-plans change (the sampler's), which a replacement's
+        skipped step has none of: its catch-up does not put it back (`_restore`)."""
         if name in self.entries or name in self.values:
             raise ValueError(f"the job's state has a {name!r} already: give each optimizer and tracked object its "
                              "own name")
         self.entries[name] = (get, set)
+        if not restore:
+            self._unrestored.add(name)
         if name in self.pending:
             self._load(name, self.pending.pop(name), late=True)
         self._arrive()
@@ -238,6 +243,10 @@ class JobState:
         self._restore_due = True
         return True
 
+    def skips(self, name: str) -> int:
+        """Steps of `name` this replacement is yet to skip (its peers committed them in the iteration it replays)."""
+        return self._skip.get(name, 0) if self.catching_up else 0
+
     def replaying(self, kind: int) -> bool:
         """A replacement that has not reached the survivors' transaction: a collective of `kind` is not it."""
         self._arrive()
@@ -273,7 +282,8 @@ class JobState:
     def _restore(self) -> None:
         self._restore_due = False
         if self._received is not None:
-            self._load_all(self._received)
+            kept = {k: v for k, v in self._received["entries"].items() if k not in self._unrestored}
+            self._load_all({**self._received, "entries": kept})
 
     # -- the hand-over -------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -334,9 +344,12 @@ class JobState:
 
     # -- the end check's fingerprint ------------------------------------------------------
     def checksum(self) -> int:
-        """CRC32 of every entry and value and each optimizer's step: equal on replicas that hold the same state."""
+        """CRC32 of every entry and value and each optimizer's step, as the replicas hold them now (a model's
+        buffers too, which a hand-over sends as of the last commit): equal on replicas that hold the same state."""
+        opts = {o.name: o for o in self.optimizers}
+        entries = {k: opts[k]._entry(live=True) if k in opts else get() for k, (get, _) in self.entries.items()}
         crc = 0
-        for name, value in sorted(self.snapshot()["entries"].items()) + sorted(self.values.items()):
+        for name, value in sorted(entries.items()) + sorted(self.values.items()):
             crc = _fingerprint(value, zlib.crc32(name.encode(), crc))
         return crc
 

@@ -127,8 +127,10 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
         self._committed_buffers: dict[str, torch.Tensor] | None = None
         if hasattr(comm, "handover"):
             self._keep_committed_buffers()
-        self._seed = rng.StepSeed(seed, lambda: self.comm.world_rank, lambda: self.step_count) \
-            if seed is not None else None
+        # The step a forward belongs to: on a replacement that replays a step its peers committed (a GAN's D step),
+        # that step, not the count it received.
+        self._seed = rng.StepSeed(seed, lambda: self.comm.world_rank,
+                                  lambda: self.step_count - self.job.skips(self.name)) if seed is not None else None
         if model is not None:
             # The RNG and the forward kill phase, in a loop of your own (the trainer has its own point).
             rng.on_forward(model, self._forward)
@@ -307,7 +309,7 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
 
     def _kill_index(self) -> int:
         # The ALLREDUCE kill point, an index into [tag, buckets..., buffers...]: inside the reduction.
-        return max(1, (len(self.buckets) + 1 + len(self._buffer_buckets)) // 2)
+        return max(1, (len(self.buckets) + 1 + len(self._step_buffers())) // 2)
 
     def synchronize(self, samples: int | None = None) -> None:
         """Average the gradients over the survivors: one transaction, committed on every rank.
@@ -366,12 +368,12 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
             self._attempt(attempt)
             self._check_phase()
         lowest = self.comm.rank == 0
-        for bb in self._buffer_buckets:       # the world may have shrunk since the last attempt
+        buffers = self._step_buffers()
+        for bb in buffers:                    # the world may have shrunk since the last attempt
             bb.prepare(self._weight_sent, lowest)
         for b in self.buckets:                # a redo after an overlapped failure: copies still in flight
             b.wait_staged()
-        pairs = [*(b.arrays() for b in self.buckets), *((bb.send.numpy(), bb.recv.numpy())
-                                                        for bb in self._buffer_buckets)]
+        pairs = [*(b.arrays() for b in self.buckets), *((bb.send.numpy(), bb.recv.numpy()) for bb in buffers)]
         # The overlapped attempt reduced the tag and the gradient buckets during backward.
         for i in range(len(self.buckets) if overlapped else 0, len(pairs)):
             if i + 1 == kill_at:
@@ -392,12 +394,9 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
 
     def _committed(self, scale: float) -> None:
         """Every rank, once a step of this optimizer commits: the buffers, the counts, the hooks, the job."""
-        for bb in self._buffer_buckets:
-            bb.finish(scale)
+        self._finish_buffers(scale)
         self.step_count += 1
         self._snapshot = None
-        if self._committed_buffers is not None:    # a SpareComm: what a newcomer gets
-            self._keep_committed_buffers()
         if self._seed is not None:
             self._seed.committed()
         for fn in self._commit_hooks:

@@ -14,10 +14,22 @@ from typing import Any, TypeVar
 import numpy as np
 from mpi4py import MPI
 
+from .. import _ftcoll
 from . import phase
 
 T = TypeVar("T")
 OPS = {"mean": MPI.SUM, "sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}     # in phase.OPS's order
+
+
+def agree_all_ok(comm: MPI.Comm, ok: bool) -> bool:
+    """True on every survivor iff every survivor's `ok` held and none met a failure in the agree (uniform).
+
+    The agree's flag is uniform, its return code is not: a second agree on "my first one returned OK" turns
+    the return code into a shared decision.  A death in the second agree is left to the next collective.
+    """
+    flag, status = _ftcoll.agree(comm, 1 if ok else 0)
+    clean, _ = _ftcoll.agree(comm, 1 if status == _ftcoll.OK else 0)
+    return bool(flag and clean)
 
 
 class ScriptCollectives:
@@ -84,13 +96,18 @@ class ScriptCollectives:
         return self.job.name_of(index) if self.job is not None else f"optimizer {index}"
 
     def _tags(self, mine: np.ndarray) -> list[tuple[int, int, int, int]] | None:
-        """Every rank's (slot, kind, index, step), once a mismatch is found (None if a rank died meanwhile)."""
+        """Every rank's (slot, kind, index, step), once a mismatch is found; None on every rank if the reduction
+        failed on any (agreed: a rank whose reduction returned may leave at once, LeftEarly, and one whose part
+        was still in flight then meets an error; alone it stopped the job while its peers went on)."""
         n, r = self.comm.Get_size(), self.comm.Get_rank()
         send, recv = np.zeros(4 * n), np.zeros(4 * n)
         send[4 * r:4 * r + 4] = (self.world_rank, *phase.decode(mine))
         try:
             self.reduce_try(send, recv, MPI.SUM)
+            ok = True
         except Exception:       # noqa: BLE001  # a failure now: the line says less, the job still ends
+            ok = False
+        if not agree_all_ok(self.comm, ok):
             return None
         return [tuple(int(x) for x in recv[4 * i:4 * i + 4]) for i in range(n)]  # type: ignore[misc]
 

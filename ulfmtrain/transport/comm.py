@@ -32,7 +32,7 @@ from mpi4py import MPI
 from .. import _ftcoll
 from ..core.modes import Phase
 from . import exits, faults, hangs, launched, phase, tether
-from .collectives import ScriptCollectives
+from .collectives import ScriptCollectives, agree_all_ok
 from .handles import handles_held, retire
 
 T = TypeVar("T")
@@ -76,17 +76,6 @@ def require_fault_tolerance() -> None:
         raise FaultToleranceUnavailable(
             "fault tolerance is not enabled: launch with `mpirun --with-ft ulfm ...` "
             "or `python -m ulfmtrain launch -n N -- train ...`")
-
-
-def agree_all_ok(comm: MPI.Comm, ok: bool) -> bool:
-    """True on every survivor iff every survivor's `ok` held and none met a failure in the agree (uniform).
-
-    The agree's flag is uniform, its return code is not: a second agree on "my first one returned OK" turns
-    the return code into a shared decision.  A death in the second agree is left to the next collective.
-    """
-    flag, status = _ftcoll.agree(comm, 1 if ok else 0)
-    clean, _ = _ftcoll.agree(comm, 1 if status == _ftcoll.OK else 0)
-    return bool(flag and clean)
 
 
 def world_ranks(comm: MPI.Comm) -> list[int]:
