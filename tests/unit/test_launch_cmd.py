@@ -129,6 +129,11 @@ def test_wdir_is_where_every_rank_starts(tmp_path, capfd):
     assert main(["launch", "-n", "1", "--wdir", str(tmp_path), "--", "python", "-c",
                  "import os; print(os.getcwd())"]) == 0
     assert capfd.readouterr().out.splitlines()[-1] == str(tmp_path)
+    # launch adopted its job's orphans while it ran, and stops once it returns: this process's later orphans (a
+    # fork server's children in test_forkserver, run after this) are init's again, not zombies of the suite.
+    from ulfmtrain.transport import jobtree
+
+    assert jobtree.become_subreaper(False) is False
 
 
 def test_one_host_keeps_tcp_on_loopback(monkeypatch):
@@ -145,3 +150,21 @@ def test_one_host_keeps_tcp_on_loopback(monkeypatch):
     assert "btl_tcp_if_include" not in mine
     monkeypatch.setenv("OMPI_MCA_btl_tcp_if_include", "eth0")
     assert "btl_tcp_if_include" not in mpirun_command(4, ["train"], cores=2)
+
+
+def test_a_script_without_ulfmtrain_is_not_started_as_a_fork(tmp_path, monkeypatch):
+    """The suite's warm fork server gives its forks ulfmtrain's exit protocol; a script that does not use
+    ulfmtrain (an unchanged torchrun script) starts as itself: forked, a rank that ended first waited 5 s for
+    its peers, died by SIGKILL, and they hung in gloo (test_ddp's unchanged-torchrun test, once in a full run)."""
+    from ulfmtrain.launching.launch import warm_start
+    from ulfmtrain.membership import spawn_shim
+
+    monkeypatch.setenv(spawn_shim.ADDRESS_ENV, str(tmp_path / "server"))
+    monkeypatch.delenv(spawn_shim.ENABLE_ENV, raising=False)
+    plain, ours = tmp_path / "plain.py", tmp_path / "ours.py"
+    plain.write_text('"""Runs under `python -m ulfmtrain launch` too."""\nimport torch.distributed as dist\n')
+    ours.write_text("import ulfmtrain\n")
+    assert warm_start([sys.executable, "-P", str(plain)]) == [sys.executable, "-P", str(plain)]
+    assert warm_start([sys.executable, "-P", str(ours)])[-3:] == [sys.executable, "-P", str(ours)]
+    assert "spawn_shim" in " ".join(warm_start([sys.executable, "-P", str(ours)]))
+    assert "spawn_shim" in " ".join(warm_start([sys.executable, "-P", "-m", "ulfmtrain", "train"]))

@@ -118,10 +118,26 @@ def warm_start(cmd: list[str]) -> list[str]:
     if not address or os.environ.get(spawn_shim.ENABLE_ENV) == "0":
         return cmd
     try:
-        spawn_shim.served(cmd)
+        kind, name, _, _ = spawn_shim.served(cmd)
     except ValueError:
         return cmd
+    if kind != "module" and not _uses_ulfmtrain(name):
+        return cmd            # a fork gets ulfmtrain's exit protocol, which a program without it does not have
     return spawn_shim.command_line(address, cmd)
+
+
+def _uses_ulfmtrain(path: str) -> bool:
+    """Whether the script imports ulfmtrain (an unchanged torchrun script does not: under the exit protocol a rank
+    that ended before its peers waited 5 s for them, then died by SIGKILL, and they hung in gloo)."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    return any(x == "ulfmtrain" or x.startswith("ulfmtrain.") for x in names)
 
 
 @contextlib.contextmanager

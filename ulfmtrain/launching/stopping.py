@@ -51,7 +51,7 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
 def stop_on_signals(prog: str) -> Iterator[None]:
     """Within the block, SIGINT, SIGTERM and SIGHUP end every process this one started (its tree), print one
     line, and raise Stopped (its .status: 128 + the signal).  The process adopts its job's orphans."""
-    jobtree.become_subreaper()
+    was = jobtree.become_subreaper()
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
     try:
         yield
@@ -64,6 +64,8 @@ def stop_on_signals(prog: str) -> Iterator[None]:
         if signal.getsignal(signal.SIGINT) is _raise_stopped:     # (after a stop they stay ignored)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if not was:       # (launch called in a longer-lived process: its later orphans are init's again)
+            jobtree.become_subreaper(False)
 
 
 def start(cmd: Sequence[str], env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen:

@@ -26,7 +26,7 @@ import time
 LAUNCHER_ENV = "ULFMTRAIN_LAUNCHER"     # BOOT_ID:PID:START of the process that launched this job
 ENDS_ENV = "ULFMTRAIN_ENDS"             # a folder of the launcher's host: each rank notes its start and its end
 _PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -93,9 +93,14 @@ def end_tree(root: int, bound_s: float = 5.0) -> int:
     return len(ended)
 
 
-def become_subreaper() -> None:
-    """Orphans among this process's descendants become its children (not init's): end_tree finds them."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+def become_subreaper(on: bool = True) -> bool:
+    """Orphans among this process's descendants become its children (not init's): end_tree finds them.  Returns
+    whether it was one before (a caller in a longer-lived process, a test suite, sets that back)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    was = ctypes.c_int(0)
+    libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+    return bool(was.value)
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
