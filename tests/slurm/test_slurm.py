@@ -340,6 +340,12 @@ def test_ctrl_c_on_salloc_stops_every_process(slurm_cluster, digits_dir):
     # "interrupted at the terminal" (salloc -v, SALLOC_DEBUG=1, says which).
     assert proc.returncode == 130 or (proc.returncode == 0 and "terminated by signal 2" in output), \
         (proc.returncode, output[-3000:])
-    assert not c.run("squeue", "-h").stdout.strip(), "the allocation is still held"
+    # Released: slurmctld passes the job through COMPLETING (CG) first, for a moment (seen once, 7 s after start).
+    end = time.monotonic() + 30
+    while (held := c.run("squeue", "-h").stdout.strip()) and time.monotonic() < end:
+        time.sleep(0.5)
+    released = time.monotonic() - t0
+    assert not held, f"the allocation is still held 30 s on: {held}"
     assert not any(x["event"] == "end" for recs in read_rank_logs(out).values() for x in recs)
-    print(f"\nCtrl-C on salloc: status {proc.returncode}, every process gone {took:.1f} s after it")
+    print(f"\nCtrl-C on salloc: status {proc.returncode}, every process gone {took:.1f} s after it, the allocation "
+          f"released {released:.1f} s after it")
