@@ -121,6 +121,17 @@ def rank_process(out: Path, launch_rank: int, timeout: float = 60.0) -> int:
     raise AssertionError(f"no process of launch rank {launch_rank} writing to {out}")
 
 
+def stop_the_first_spare(job: Job) -> tuple[int, int, str]:
+    """SIGSTOP the job's first spare (launch rank 3) once rank 0 trained 10 steps; its pid, the job's status and
+    stderr."""
+    with job:
+        spare = rank_process(job.out, 3)
+        assert job.wait_for(lambda: job.steps(0) >= 10), job.err.read_text()[-3000:]
+        os.kill(spare, signal.SIGSTOP)
+        rc, err = job.end()
+    return spare, rc, err
+
+
 def gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"   # dead, not yet reaped
@@ -185,11 +196,7 @@ def test_a_frozen_spare_is_dropped_and_the_other_spare_takes_the_dead_slot(digit
     shrinks, one replica, exactly once).  Before, the survivors spun in the repair of the world for good."""
     job = Job(5, ["train", "--data", str(digits_dir), "--epochs", "4", "--spares", "2", "--kill", "1@70", *TRAIN],
               tmp_path / "out")
-    with job:
-        spare = rank_process(job.out, 3)
-        assert job.wait_for(lambda: job.steps(0) >= 10), job.err.read_text()[-3000:]
-        os.kill(spare, signal.SIGSTOP)
-        rc, err = job.end()
+    spare, rc, err = stop_the_first_spare(job)
     assert rc == 0, err[-3000:]
     check_trained(job.logs(), [0, 1, 2], [3, 3], 4)
     (line,) = [x for x in err.splitlines() if EVICTED in x]
@@ -269,11 +276,7 @@ def test_a_frozen_spare_never_needed_is_dropped_and_the_job_ends_0(digits_dir, t
     """A waiting spare SIGSTOPped, and no rank dies: training completes, the spare is dropped (not waited for at
     the end), and the job ends with status 0.  Before, it ended with status 3 from the watchdog at the end."""
     job = Job(4, ["train", "--data", str(digits_dir), "--epochs", "3", "--spares", "1", *TRAIN], tmp_path / "out")
-    with job:
-        spare = rank_process(job.out, 3)
-        assert job.wait_for(lambda: job.steps(0) >= 10), job.err.read_text()[-3000:]
-        os.kill(spare, signal.SIGSTOP)
-        rc, err = job.end()
+    spare, rc, err = stop_the_first_spare(job)
     assert rc == 0, err[-3000:]
     check_trained(job.logs(), [0, 1, 2], [3], 3)
     assert gone(spare) and "a waiting spare" in err, err[-3000:]
