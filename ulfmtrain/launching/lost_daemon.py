@@ -1,10 +1,10 @@
 """The normal launch (a PRRTE daemon on every host) when a host is lost: a true exit status, and one line.
 
 PRRTE 3.0.x cannot survive a lost daemon (docs/node-loss.md): it prints "PRTE has lost communication with a
-remote daemon", with the daemon's node, ends the job, and mpirun exits 0 (ompi #13215, prrte #1969).  run()
-passes mpirun's stderr through as it comes, notes the nodes of such reports, and then ends with status
-LOST_HOST and one line naming them and the way through (`--agent`, or `supervise --hostfile`).  launch's
-stopping.run watches every mpirun it starts so.
+remote daemon", with the daemon's node, ends the job, and mpirun exits 0 (ompi #13215, prrte #1969).  Watch
+passes mpirun's stderr through as it comes and notes the nodes of such reports; its status() is then
+LOST_HOST, with one line naming them and the way through (`--agent`, or `supervise --hostfile`).
+stopping.run watches every mpirun that launch starts so.
 """
 from __future__ import annotations
 
