@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,19 @@ def warm_ranks():
         return
     with warm_server():
         yield
+
+
+@pytest.fixture(autouse=True)
+def no_stale_daemon_sessions():
+    """After each test: the session directories that PRRTE daemons SIGKILLed by it left (<tmpdir>/prted.<pid>;
+    the namespace and Slurm hosts share this machine's /tmp).  A later daemon that got the same pid would fail
+    at start ("The PMIx server's listener thread failed to start"); launch guards mpirun's own (mpirun_head),
+    a real host's are its own."""
+    yield
+    for d in Path(os.environ.get("TMPDIR", "/tmp")).glob("prted.*"):
+        pid = d.name.split(".", 1)[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -231,6 +231,27 @@ def test_a_deadlock_in_a_users_loop_is_a_failure_a_spare_repairs(tmp_path):
     assert "world rank 1 (after step 30)" in line and "hang_loop.py" in line, line      # comm.step: 30 committed
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("factor", ["3", None])
+def test_a_straggler_is_evicted_when_asked_and_kept_by_default(tmp_path, factor):
+    """Rank 2 of a user's loop works 60 ms more per step than its peers (about 10x their own work, as on a slower
+    device).  With ULFMTRAIN_STRAGGLER=3 it is SIGKILLed with one line that names it, and the others end on one
+    replica in a world of 2; by default (no factor) it is kept and all three end together.  Before, it was never
+    evicted: the rule asked for an excess of half a step, and the straggler's own slowness lengthens the step."""
+    env = {"ULFMTRAIN_STRAGGLER": factor} if factor else {}
+    proc = script(3, "hang_loop.py", [str(tmp_path), "slow"], timeout=250, env=env)
+    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank?.json")}
+    lines = [x for x in proc.stderr.splitlines() if "is a straggler" in x]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if factor:
+        assert sorted(got) == [0, 1] and len(lines) == 1 and "world rank 2" in lines[0], proc.stderr[-3000:]
+        assert all(g["history"] == [3, 2] for g in got.values()), got
+    else:
+        assert sorted(got) == [0, 1, 2] and not lines, proc.stderr[-3000:]
+        assert all(g["history"] == [3] for g in got.values()), got
+    assert all(g["consistent"] for g in got.values()) and len({g["checksum"] for g in got.values()}) == 1, got
+
+
 # -- long: more cases of the same rules -----------------------------------------------------------------
 @pytest.mark.long
 @pytest.mark.timeout(200)

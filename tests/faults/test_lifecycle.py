@@ -275,3 +275,25 @@ def test_a_bad_spawn_timeout_stops_a_respawn_job_at_its_start(mpi, digits_dir, t
                        "--no-progress", "--replace", "respawn"], 60, env={"ULFMTRAIN_SPAWN_TIMEOUT": "later"})
     assert "ulfmtrain: error: ULFMTRAIN_SPAWN_TIMEOUT='later' is not a positive number of seconds" in proc.stderr
     assert proc.returncode != 0 and not list(tmp_path.glob("rank*.jsonl"))
+
+
+@pytest.mark.timeout(120)
+def test_an_mpirun_that_gets_the_pid_of_a_killed_one_starts(tmp_path):
+    """An mpirun SIGKILLed (a job ended by its tree) leaves its session directory, <tmpdir>/ompi.<pid>; a later
+    mpirun that got the same pid failed at start ("The PMIx server's listener thread failed to start", status
+    213: a benchmark run and the suite's compare test once each).  Here a killed mpirun's directory is put under
+    the pid of the next one (the shell that execs the command keeps its pid); the job runs."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    killed = subprocess.Popen([*prefix(1), "sleep", "60"], env=env)
+    left = tmp_path / f"ompi.{killed.pid}"
+    deadline = time.monotonic() + 60
+    while not (left / "hwloc.sm").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    subprocess.run(["pkill", "-KILL", "-f", "^sleep 60$"], check=False)
+    assert left.is_dir(), "a killed mpirun left no session directory: nothing to test"
+    stale = 'cp -a "$STALE/." "$TMPDIR/ompi.$$"; exec "$@"'
+    proc = subprocess.run(["/bin/sh", "-c", stale, "sh", *prefix(1), "true"], capture_output=True, text=True,
+                          timeout=60, env={**env, "STALE": str(left)})
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -195,7 +195,9 @@ def test_compare_reports_every_field(digits_dir: Path, tmp_path: Path) -> None:
            "--model", "mlp", "--epochs", "2", "--ckpt-every", "10", "--strategies", "overlapped", "--no-reference",
            "--spares", "1", "--modes", "shrink,restart,reinit"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * RUN_S)
-    assert proc.returncode == 0, diag(proc)
+    consoles = "".join(f"\n--- {p}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("*/console.log"))
+                       if proc.returncode)
+    assert proc.returncode == 0, diag(proc) + consoles
     report = json.loads((out / "compare.json").read_text())
     assert set(report["runs"]) == {"shrink", "spares-1", "restart-overlapped", "reinit-overlapped"}
     for label, r in report["runs"].items():

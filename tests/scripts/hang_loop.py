@@ -10,6 +10,8 @@ argv: OUT MODE.  MODE:
             DataLoader): rank 1 leaves as a failed rank and the others train on.
   deadlock  every rank deadlocks in its 30th step (a bug that every rank meets): the job ends with status 3.
   deadlock-one  slot 1 deadlocks in its 30th step (launch it with ULFMTRAIN_SPARES=1: a spare takes the slot).
+  slow      rank 2 is a straggler: from its 5th step it works SLOW_S more in each (busy, before its forward), as
+            on a slower device; with ULFMTRAIN_STRAGGLER=F it is evicted and the others train on.
 Each rank that ends writes OUT/rank<N>.json: checksum, consistent (the final check), world history, steps, pid.
 """
 import json
@@ -24,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ulfmtrain
 
-EPOCHS, BATCH, EVAL_S = 2, 16, 0.5
+EPOCHS, BATCH, EVAL_S, SLOW_S = 2, 16, 0.5, 0.06
 out, mode = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
 comm = ulfmtrain.connect()
@@ -69,6 +71,8 @@ for epoch in sampler.epochs(0, EPOCHS):
                                      and getattr(comm, "takeover", None) is None):   # (not the spare that takes it)
             lock.acquire()
             lock.acquire()                  # a deadlock in the program's own code
+        if mode == "slow" and comm.world_rank == 2 and opt.step_count >= 5:
+            busy(SLOW_S)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()

