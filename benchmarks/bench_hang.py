@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--kill-step", type=int, default=40, help="the victim fails in its forward of this step")
     p.add_argument("--straggler", type=float, default=3.0, help="train --straggler F in the evicted runs")
     p.add_argument("--quota", type=float, default=10.0, help="the slowed rank's CPU quota, % of one core")
-    p.add_argument("--straggler-epochs", type=int, default=4)
+    p.add_argument("--straggler-epochs", type=int, default=16)
     p.add_argument("--workdir", type=Path, default=None, help="where ranks write (default: a temporary dir)")
     common.add_common_args(p, timeout=300)
     args = p.parse_args(argv)

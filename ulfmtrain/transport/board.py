@@ -29,7 +29,7 @@ from typing import Any
 
 Row = dict[str, Any]
 STEPS_MEASURED = 16      # a straggler's slowness must hold over this many steps of its own (its median's window)
-# ... and cost at least this share of a step: removing it must shorten the job's steps by a third or more (a rank
+# ... and cost at least this share of a step: removing it must shorten the job's steps by half or more (a rank
 # 3x slower in 1 ms of work within a 45 ms step is scheduler noise on a loaded machine, not worth a rank).
 STRAGGLER_SHARE = 0.5
 # (pid, start) -> (its CPU time in clock ticks, when it last changed on this observer's clock): a process that
