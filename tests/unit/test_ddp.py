@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ulfmtrain.core.refusal import Refused
-from ulfmtrain.launching.launch import mpirun_command, torchrun_env, torchrun_warning
+from ulfmtrain.launching.launch import mpirun_command, mpirun_head, torchrun_env, torchrun_warning
 from ulfmtrain.training import ddp
 from ulfmtrain.training.optim import DistributedOptimizer
 
@@ -46,7 +46,7 @@ def test_the_prefix_goes_before_the_ranks_program_and_a_fork_servers_shim():
     """The shim hands the fork server its environment: the variables are set before it runs."""
     prefix = torchrun_env(2, "h", {})
     cmd = mpirun_command(2, ["python", "x.py"], cores=8, torchrun=prefix)
-    at = cmd.index(prefix[0])
+    at = cmd.index(prefix[0], len(mpirun_head()))          # (mpirun itself starts through a shell too)
     assert cmd[at:at + len(prefix)] == prefix and cmd[at + len(prefix)] == sys.executable
     assert cmd[-2:] == [sys.executable, "x.py"]
 
