@@ -236,8 +236,8 @@ def test_a_deadlock_in_a_users_loop_is_a_failure_a_spare_repairs(tmp_path):
 def test_a_straggler_is_evicted_when_asked_and_kept_by_default(tmp_path, factor):
     """Rank 2 of a user's loop works 60 ms more per step than its peers (about 10x their own work, as on a slower
     device).  With ULFMTRAIN_STRAGGLER=3 it is SIGKILLed with one line that names it, and the others end on one
-    replica in a world of 2; by default (no factor) it is kept and all three end together.  Before, it was never
-    evicted: the rule asked for an excess of half a step, and the straggler's own slowness lengthens the step."""
+    replica in a world of 2; by default (no factor) it is kept and all three end together.  (Before, only the
+    rule's unit test ran it; bench_hang's straggler, slow inside the reductions alone, was never evicted.)"""
     env = {"ULFMTRAIN_STRAGGLER": factor} if factor else {}
     proc = script(3, "hang_loop.py", [str(tmp_path), "slow"], timeout=250, env=env)
     got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank?.json")}

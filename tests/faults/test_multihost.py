@@ -176,7 +176,7 @@ def power_cut(ns: str, silent: bool = False) -> list[str]:
         return signal_host(ns, "STOP")
     pids = signal_host(ns, "KILL")
     # kill returns before the kernel has ended them: links taken down first would swallow their sockets' FIN,
-    # and the cut would be silent (the normal launch's test then waited for PRRTE's keep-alives, 3 runs in 5).
+    # and the cut would be silent (the normal launch's test then waited for PRRTE's keep-alives, 4 runs in 6).
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.01)
