@@ -29,12 +29,13 @@ def int32(x: int) -> int:
     return x - 2**32 if x >= 2**31 else x
 
 
-def replicas_agree(comm: Comm, crc: int) -> bool:
-    """Whether every rank's `crc` is the same (uniform).  After a repair the check starts over: a spare that took
-    a slot in it was handed the state and starts the check from its beginning."""
-    crc = int32(crc & 0xFFFFFFFF)
+def replicas_agree(comm: Comm, checksum: Callable[[], int]) -> bool:
+    """Whether every rank's checksum() is the same (uniform).  After a repair the check starts over, on the state
+    as the repair left it: a spare that took a slot in it was handed that state (the data plan of a world that
+    shrank included) and starts the check from its beginning."""
     while True:
         seen, same = len(comm.events), []
+        crc = int32(checksum() & 0xFFFFFFFF)
         for value in (crc, ~crc):
             same.append(comm.agree(value) == value)
             if len(comm.events) != seen:
@@ -85,8 +86,7 @@ def end_of_script(comm: Comm, job: JobState) -> None:
         while True:
             seen = len(comm.events)
             comm.transaction(_checked_phase(comm, job), what="end")
-            crc = job.checksum()
-            same = replicas_agree(comm, crc)
+            same = replicas_agree(comm, job.checksum)
             if len(comm.events) == seen:
                 break               # a repair in the check: every rank (a spare that took a slot too) again
     except phase.PhaseError:
@@ -97,7 +97,7 @@ def end_of_script(comm: Comm, job: JobState) -> None:
         exits.leave(failed=False)       # its peers train on: it dies by SIGKILL there and they repair
         return
     if not same and not refused():      # a refusal (its line is out, the status 1) judges nothing more
-        line = differing(comm, crc)
+        line = differing(comm, job.checksum())
         if comm.rank == 0:
             print(line, file=sys.stderr, flush=True)
         exits.end_with(1)

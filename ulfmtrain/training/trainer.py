@@ -361,7 +361,7 @@ class Trainer:
         crc = int32(self.opt.checksum())
         # The job's whole state (the sampler, the schedule, the scaler too) must agree; `checksum` stays the
         # model's and optimizer's, which runs compare.
-        consistent = replicas_agree(self.comm, self.opt.job.checksum())
+        consistent = replicas_agree(self.comm, self.opt.job.checksum)
         if not consistent:
             self.inconsistency = differing(self.comm, self.opt.job.checksum())
         self._log_events()
