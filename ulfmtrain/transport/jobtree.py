@@ -22,6 +22,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 LAUNCHER_ENV = "ULFMTRAIN_LAUNCHER"     # BOOT_ID:PID:START of the process that launched this job
 ENDS_ENV = "ULFMTRAIN_ENDS"             # a folder of the launcher's host: each rank notes its start and its end
@@ -123,6 +125,23 @@ class _Forks:
     def in_worker(self) -> None:
         if self.main:                 # (PR_SET_PDEATHSIG follows the forking thread: only the main one lasts)
             die_with_parent(self.parent, signal.SIGKILL)
+            sys.excepthook = quiet_once_orphaned(self.parent, sys.excepthook)
+
+
+def quiet_once_orphaned(parent: int, hook: Callable[..., Any], wait: float = 1.0) -> Callable[..., None]:
+    """A worker's exception hook: a lost connection (its rank SIGKILLed while a batch's descriptors were handed
+    over: multiprocessing's resource sharer reports it through sys.excepthook) prints nothing once the rank is
+    gone.  The kernel closes a dying process's sockets before it signals its children (PR_SET_PDEATHSIG), so the
+    worker can see the reset first: it waits up to `wait` s for the rank to be gone (or its own SIGKILL)."""
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)):
+            deadline = time.monotonic() + wait
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if os.getppid() != parent:
+                return
+        hook(kind, value, tb)
+    return excepthook
 
 
 _forks = _Forks()
