@@ -37,6 +37,7 @@ class ReplicatedState:
     _committed_buffers: dict[str, torch.Tensor] | None
     _snapshot: dict[str, Any] | None
     _buffer_buckets: list[BufferBucket]
+    _owners: tuple[int, list[ReplicatedState]] | None = None      # _buffer_owners' answer, and for how many
 
     def _tensors(self) -> dict[str, Any]:
         return {
@@ -73,13 +74,17 @@ class ReplicatedState:
         """The optimizers whose models' buffers this step averages: its own and every other of the job (each
         model once, in construction order: the same on every rank).  A model's buffers move in any training
         forward, also in another optimizer's step (a GAN's D in G's step: `D(G(z))`): so after every commit the
-        replicas hold the same buffers, and a hand-over's copy as of the last commit is theirs."""
-        owners, seen = [], set()
-        for o in [self, *cast("list[ReplicatedState]", self.job.optimizers)]:
-            if o._buffer_buckets and id(o.model) not in seen:
-                seen.add(id(o.model))
-                owners.append(o)
-        return owners
+        replicas hold the same buffers, and a hand-over's copy as of the last commit is theirs.  Kept per number of
+        the job's optimizers (the list only grows): a step asks at each bucket, on the communication thread."""
+        n = len(self.job.optimizers)
+        if self._owners is None or self._owners[0] != n:
+            owners, seen = [], set()
+            for o in [self, *cast("list[ReplicatedState]", self.job.optimizers)]:
+                if o._buffer_buckets and id(o.model) not in seen:
+                    seen.add(id(o.model))
+                    owners.append(o)
+            self._owners = (n, owners)
+        return self._owners[1]
 
     def _step_buffers(self) -> list[BufferBucket]:
         """The buffer buckets a step of this optimizer reduces, after its gradients."""
