@@ -143,11 +143,19 @@ def warm_start(cmd: list[str]) -> list[str]:
 def _uses_ulfmtrain(path: str) -> bool:
     """Whether the script imports ulfmtrain (an unchanged torchrun script does not: under the exit protocol a rank
     that ended before its peers waited 5 s for them, then died by SIGKILL, and they hung in gloo)."""
+    try:
+        return _imports_ulfmtrain(Path(path).read_bytes())
+    except OSError:
+        return True
+
+
+def _imports_ulfmtrain(source: bytes | str) -> bool:
+    """Whether the source imports ulfmtrain (what it cannot be parsed as: taken as yes)."""
     import ast
 
     try:
-        tree = ast.parse(Path(path).read_bytes())
-    except (OSError, SyntaxError, ValueError):
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
         return True
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
@@ -234,7 +242,7 @@ def torchrun_warning(argv: Sequence[str]) -> str | None:
         text = Path(script).read_text(errors="replace") if script and script.endswith(".py") else ""
     except OSError:
         return None
-    if "init_process_group(" not in text or re.search(r"^\s*(import|from)\s+ulfmtrain\b", text, re.MULTILINE):
+    if "init_process_group(" not in text or _imports_ulfmtrain(text):
         return None
     return (f"ulfmtrain: warning: {script} makes torch.distributed's own process group (init_process_group) "
             "without ulfmtrain: it runs with torchrun's variables set, without fault tolerance (a rank's death "
