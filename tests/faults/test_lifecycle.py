@@ -6,9 +6,11 @@ code for the whole job).  Times are time.time() on this one machine.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ulfmtrain.launching.launch import mpirun_prefix
-from ulfmtrain.transport import lifecycle
+from ulfmtrain.transport import jobtree, lifecycle
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 INIT_TIMEOUT = 5.0
@@ -289,9 +291,12 @@ def test_an_mpirun_that_gets_the_pid_of_a_killed_one_starts(tmp_path):
     deadline = time.monotonic() + 60
     while not (left / "hwloc.sm").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    rank = jobtree.descendants(killed.pid)        # its `sleep 60`, killed with it (only the test's own)
     killed.kill()
     killed.wait()
-    subprocess.run(["pkill", "-KILL", "-f", "^sleep 60$"], check=False)
+    for pid in rank:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     assert left.is_dir(), "a killed mpirun left no session directory: nothing to test"
     stale = 'cp -a "$STALE/." "$TMPDIR/ompi.$$"; exec "$@"'
     proc = subprocess.run(["/bin/sh", "-c", stale, "sh", *prefix(1), "true"], capture_output=True, text=True,
