@@ -173,16 +173,18 @@ def test_a_respawned_process_that_fails_before_it_is_ready_is_spawned_again_up_t
 
 
 @pytest.mark.timeout(2 * BOUND_S)
-@pytest.mark.parametrize("victim", [2, 0])
-def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, digits_dir, tmp_path, victim):
+@pytest.mark.parametrize(("victim", "phase"), [(2, "join"), (0, "join"), (2, "split"), (0, "split")])
+def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, digits_dir, tmp_path, victim,
+                                                                         phase):
     """A slot dies after the join's intercommunicator, before the merge (slot 0: the spawning rank, which leads
-    the join): the survivors decide together not to merge, say so, train on shrunk, and a later spawn refills
-    the world."""
+    the join), or after the merge, before the split of the training communicator: the survivors decide together
+    not to take the joined world, say so, train on shrunk, and a later spawn refills the world.  (At `split` every
+    rank used to raise MPI_ERR_PROC_FAILED from the split, and the job ended with status 1.)"""
     # 80 epochs: room for the second spawn, of two processes, LEAVE_S after the failed join, to join before the end
     # (about 10 s after step 30; 80 epochs take about 45 s on a 2-core CI box: 4x room).
-    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 80, "1@30", f"{victim}@30:join")
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 80, "1@30", f"{victim}@30:{phase}")
     (kill,) = select(logs[victim], "kill")
-    assert kill["phase"] == "join"
+    assert kill["phase"] == phase
     failed = respawns(logs, 3, "failed")
     assert failed and failed[0]["reason"] == "a process failed during the join", failed
     # Not at once: a spawn that overlapped the exit of the newcomer sent away deadlocked inside Open MPI.

@@ -126,6 +126,30 @@ def test_the_board_keeps_one_row_per_live_process_and_one_line_per_eviction(tmp_
     assert not os.path.exists(board.dir)
 
 
+
+def test_the_last_to_leave_never_removes_a_row_being_written(tmp_path):
+    """64 ranks starting on 2 cores: one rank left (closed) while no row was on the board yet and removed the board
+    between another rank's write of its row and its rename (FileNotFoundError at start, the rank failed)."""
+    board, other = boards.Board(str(tmp_path / "board")), boards.Board(str(tmp_path / "board"))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        theirs = row(child.pid, start=boards.start_time(child.pid))
+        with open(other._path(child.pid, "tmp"), "w") as f:   # half way through its write: written, not renamed
+            f.write("{}")
+        board.close(os.getpid())                                 # no row on the board: the last to leave?
+        os.replace(other._path(child.pid, "tmp"), other._path(child.pid))
+        other.write(theirs)
+        board.close(os.getpid())                                 # a live row: the board stays
+        assert [r["pid"] for r in board.rows()] == [child.pid]
+        child.kill()
+        child.wait(timeout=10)
+        board.close(os.getpid())                                 # only dead rows: the last to leave removes it
+        assert not os.path.exists(board.dir)
+        other.write(theirs)                                      # a writer after that makes it again (mode 0700)
+        assert os.stat(board.dir).st_mode & 0o777 == 0o700
+    finally:
+        child.kill()
+
 def test_nobody_comes_only_when_every_member_waits_past_ten_bounds(tmp_path):
     board = boards.Board(str(tmp_path / "b"))
     me = row(os.getpid(), "wait", for_=31.0, start=boards.start_time(os.getpid()))

@@ -95,6 +95,7 @@ class Phase(StrEnum):
     FINAL = "final"            # before the final consistency check (any STEP)
     JOIN = "join"              # in the first join of a respawned process at or after STEP, before the merge
     MERGE = "merge"            # the same join, once the survivors agreed to merge: Open MPI 5.0.x never returns
+    SPLIT = "split"            # the same join, once merged: before the split of the training communicator
     HANDOVER = "handover"      # the sender of the first hand-over to a spare or newcomer at or after STEP
     READY = "ready"            # the spawning rank SIGKILLs the first respawned process ready at or after STEP
     NEWCOMER = "newcomer"      # the processes RANK respawns at or after STEP raise an error before they are ready

@@ -60,6 +60,7 @@ LEAVE_S = 6.0
 # until the next repair (a spawn that cannot succeed costs every rank 0.1 s per try).
 SPAWN_RETRIES = 2
 JoinListener = Callable[[dict[str, Any]], None]
+Claim = tuple[int | None, dict[int, int], MPI.Intracomm]    # this process's slot, slot -> newcomer, its split
 
 
 class RespawnComm(SpareComm):
@@ -248,25 +249,28 @@ class RespawnComm(SpareComm):
             timer.close()
             # Uniform among the survivors again before the new world is used.
             go = agree_all_ok(self.world, bool(ok))
+        claim = None
         if go and world is not None:
             try:
                 info = world.bcast({"slots": self.slots, "history": self.world_history, "placement": self.placement,
                                     **times} if s
                                    else None, root=0)
                 held = world.allgather(self.slot)
+                faults.point(self.step, Phase.SPLIT)
+                claim = self._claim(world, held)
             except MPI.Exception:
                 ok = 0
             go = agree_all_ok(world, bool(ok))      # the newcomer takes part: it leaves unless all went through
-        if not go or world is None:
-            for c in (world, inter, pool):
-                if c is not None:
+        if not go or world is None or claim is None:
+            for c in (world, inter, pool, claim[2] if claim else None):
+                if c is not None and c != MPI.COMM_NULL:
                     _ftcoll.revoke(c)     # a newcomer waiting on them leaves
             self._notify("failed", [], reason="a process failed during the join")
             self._retry_later()
             return
         size_before = self.size
         times = {k: info[k] for k in ("t_spawn", "spawn_s", "ready_s")}
-        plan = self._take_world(world, held)
+        plan = self._take_world(world, held, claim)
         self.world_history.append(self.size)
         self._spawn_wanted, self._retries = True, 0          # a spare may still be missing
         self._notify("joined", sorted(plan["taken"]), spares=plan["spares"], size_before=size_before,
@@ -274,21 +278,31 @@ class RespawnComm(SpareComm):
         if plan["taken"] and self.handover is not None:
             self.pending_handover = True    # handed over in at_step_start, before this step goes on
 
-    def _take_world(self, world: MPI.Intracomm, held: list[int | None]) -> dict[str, Any]:
-        """Everyone, survivors and newcomers: the lowest newcomers take the empty slots; split in slot order."""
+    def _claim(self, world: MPI.Intracomm, held: list[int | None]) -> Claim:
+        """Everyone, survivors and newcomers, a collective on the joined world: the lowest newcomers take the
+        empty slots, and the training communicator is split from it in slot order.  Inside the join's agreed part:
+        a process that dies before or in the split (a newcomer that failed, a survivor killed) fails the join alike
+        everywhere, instead of raising on some processes only (64 ranks: every rank ended)."""
         survivors = [s for s in held if s is not None]
         newcomers = [r for r, s in enumerate(held) if s is None]
         taken = dict(zip(sorted(set(range(self.slots)) - set(survivors)), newcomers))
-        if self.slot is None and world.Get_rank() in taken.values():
-            self.slot = next(s for s, r in taken.items() if r == world.Get_rank())
+        slot = self.slot
+        if slot is None and world.Get_rank() in taken.values():
+            slot = next(s for s, r in taken.items() if r == world.Get_rank())
+        return slot, taken, self._split(slot, world)
+
+    def _take_world(self, world: MPI.Intracomm, held: list[int | None], claim: Claim) -> dict[str, Any]:
+        """Everyone, once the join went through everywhere (claim: _claim's, agreed): the joined world is the
+        world, and the split its training communicator (every process split it before that agree)."""
+        self.slot, taken, comm = claim
+        survivors = [s for s in held if s is not None]
+        newcomers = [r for r, s in enumerate(held) if s is None]
         old, self.world = getattr(self, "world", None), world
         if old is not None:
             retire(old)
         if getattr(self, "comm", MPI.COMM_NULL) != MPI.COMM_NULL:
             retire(self.comm)
-        self.comm = self._split(self.slot)
-        if self.comm != MPI.COMM_NULL:
-            _ftcoll.agree(self.comm, 1)     # before first use: no peer is still creating it
+        self.comm = comm
         self.world_rank = self.slot if self.slot is not None else -1
         self.alive = sorted(survivors + list(taken))
         self.receivers |= set(taken)
@@ -335,19 +349,20 @@ class RespawnComm(SpareComm):
             merged = MPI.Intracomm(inter.Merge(high=True))
             world = _fault_tolerant_dup(merged)
             retire(merged)
+            claim = None
             try:
                 info = world.bcast(None, root=0)
                 held = world.allgather(None)
-                ok = True
+                self.slots, self.placement = info["slots"], info["placement"]    # the slots' GPUs (device.py)
+                claim = self._claim(world, held)
             except MPI.Exception:
-                ok = False
-            if not agree_all_ok(world, ok):      # as the survivors decide it
+                pass
+            if not agree_all_ok(world, claim is not None) or claim is None:     # as the survivors decide it
                 raise self._leave(timer, "a process failed during the join")
         except MPI.Exception as exc:
             raise self._leave(timer, f"the survivors went away ({exc.Get_error_string()})") from None
-        self.slots, self.placement = info["slots"], info["placement"]    # the slots' GPUs (device.py)
         self._setup(MPI.Intracomm(MPI.COMM_NULL), -1, [])
-        self._take_world(world, held)
+        self._take_world(world, held, claim)
         timer.close()
         self.world_history = info["history"] + [self.size]
         if self.slot is not None:

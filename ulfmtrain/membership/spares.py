@@ -125,8 +125,9 @@ class SpareComm(FaultTolerantComm):
     def size(self) -> int:
         return len(self.alive)        # the training communicator's size, also on a waiting spare
 
-    def _split(self, slot: int | None) -> MPI.Intracomm:
-        comm = self.world.Split(0 if slot is not None else MPI.UNDEFINED, slot or 0)
+    def _split(self, slot: int | None, world: MPI.Intracomm | None = None) -> MPI.Intracomm:
+        """The training communicator of the world (or of `world`, a joined one not yet taken), in slot order."""
+        comm = (world or self.world).Split(0 if slot is not None else MPI.UNDEFINED, slot or 0)
         if comm != MPI.COMM_NULL:
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         return MPI.Intracomm(comm)

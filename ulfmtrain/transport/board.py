@@ -81,10 +81,13 @@ class Board:
 
     def __init__(self, directory: str) -> None:
         self.dir = directory
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        st = os.stat(directory)
+        self._make()
+
+    def _make(self) -> None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        st = os.stat(self.dir)
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise PermissionError(f"the hang board {directory} is not this user's alone (mode 0700)")
+            raise PermissionError(f"the hang board {self.dir} is not this user's alone (mode 0700)")
 
     def _path(self, pid: int, suffix: str = "json") -> str:
         return os.path.join(self.dir, f"{pid}.{suffix}")
@@ -92,7 +95,12 @@ class Board:
     def write(self, row: Row) -> None:
         """Publish `row` as the row of row["pid"] (write, then rename: a reader never sees half a row)."""
         tmp = self._path(row["pid"], "tmp")
-        with open(tmp, "w") as f:
+        try:
+            f = open(tmp, "w")
+        except FileNotFoundError:       # the last process to leave removed the board: this one is not gone yet
+            self._make()
+            f = open(tmp, "w")
+        with f:
             json.dump(row, f)
         os.replace(tmp, self._path(row["pid"]))
 
@@ -148,12 +156,16 @@ class Board:
             os.kill(row["pid"], signal.SIGKILL)
 
     def close(self, pid: int) -> None:
-        """Remove pid's row; the last process to leave removes the board."""
+        """Remove pid's row; the last process to leave removes the board.  Only what the dead left goes: a live
+        process may be writing its first row (a `.tmp` not yet renamed), and then the board stays (rmdir of a
+        folder that is not empty fails)."""
         self.remove(pid)
         with contextlib.suppress(OSError):
             if not self.rows():
                 for name in os.listdir(self.dir):
-                    os.unlink(os.path.join(self.dir, name))
+                    writer = name.split(".", 1)[0]
+                    if not (name.endswith(".tmp") and writer.isdigit() and os.path.exists(f"/proc/{writer}")):
+                        os.unlink(os.path.join(self.dir, name))
                 os.rmdir(self.dir)
 
 
