@@ -11,16 +11,21 @@ from ulfmtrain.data.format import DatasetFile
 from ulfmtrain.training.models import MLP, DigitsCNN
 from ulfmtrain.training.trainer import TrainConfig, Trainer
 from ulfmtrain.transport.comm import FaultTolerantComm, PlainComm
+from ulfmtrain.transport.handles import retire
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
 @pytest.fixture
 def comm():
+    """A communicator of its own for each test, kept, not freed, as ulfmtrain keeps its own (handles.retire):
+    Open MPI 5.0.11 gives a freed context id to the next communicator and keys its agreements by that id, so an
+    agree run on one of these could meet a later test's communicator.  (Suspected, not shown: once in four full
+    runs, with the fixture freeing it, ranks got MPI_ERR_REVOKED in the last test's plain run.)"""
     c = MPI.COMM_WORLD.Dup()
     c.Set_errhandler(MPI.ERRORS_RETURN)
     yield c
-    c.Free()
+    retire(c)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
