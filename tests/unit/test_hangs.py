@@ -126,8 +126,7 @@ def test_the_board_keeps_one_row_per_live_process_and_one_line_per_eviction(tmp_
     assert not os.path.exists(board.dir)
 
 
-
-def test_the_last_to_leave_never_removes_a_row_being_written(tmp_path):
+def test_the_last_to_leave_never_removes_a_row_being_written(tmp_path, monkeypatch):
     """64 ranks starting on 2 cores: one rank left (closed) while no row was on the board yet and removed the board
     between another rank's write of its row and its rename (FileNotFoundError at start, the rank failed)."""
     board, other = boards.Board(str(tmp_path / "board")), boards.Board(str(tmp_path / "board"))
@@ -139,16 +138,29 @@ def test_the_last_to_leave_never_removes_a_row_being_written(tmp_path):
         board.close(os.getpid())                                 # no row on the board: the last to leave?
         os.replace(other._path(child.pid, "tmp"), other._path(child.pid))
         other.write(theirs)
-        board.close(os.getpid())                                 # a live row: the board stays
+        with monkeypatch.context() as m:    # its row renamed in place after rows() looked, before the clean-up
+            m.setattr(board, "rows", lambda: [])
+            board.close(os.getpid())
         assert [r["pid"] for r in board.rows()] == [child.pid]
         child.kill()
         child.wait(timeout=10)
-        board.close(os.getpid())                                 # only dead rows: the last to leave removes it
+        board.close(os.getpid())                                 # only the dead's files: the last one removes it
         assert not os.path.exists(board.dir)
         other.write(theirs)                                      # a writer after that makes it again (mode 0700)
         assert os.stat(board.dir).st_mode & 0o777 == 0o700
     finally:
         child.kill()
+        child.wait(timeout=10)
+
+
+def test_a_board_that_is_a_link_is_refused(tmp_path):
+    """A board in a folder anyone can write to (/dev/shm) could be a link another user made, to a folder of ours."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (tmp_path / "board").symlink_to(mine)
+    with pytest.raises(PermissionError, match="not this user's alone"):
+        boards.Board(str(tmp_path / "board"))
+
 
 def test_nobody_comes_only_when_every_member_waits_past_ten_bounds(tmp_path):
     board = boards.Board(str(tmp_path / "b"))

@@ -251,6 +251,11 @@ class RespawnComm(SpareComm):
             go = agree_all_ok(self.world, bool(ok))
         claim = None
         if go and world is not None:
+            # A death before the split makes it return an error (kill phase split); one inside it was never
+            # measured, and the split allocates a context id as the merge does: bounded alike.
+            timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint "
+                              "(--ckpt-dir, under `ulfmtrain supervise`)", why="a process died inside the join's "
+                              "split, and Open MPI 5.0.x did not return from that")
             try:
                 info = world.bcast({"slots": self.slots, "history": self.world_history, "placement": self.placement,
                                     **times} if s
@@ -261,10 +266,13 @@ class RespawnComm(SpareComm):
             except MPI.Exception:
                 ok = 0
             go = agree_all_ok(world, bool(ok))      # the newcomer takes part: it leaves unless all went through
+            timer.close()
         if not go or world is None or claim is None:
-            for c in (world, inter, pool, claim[2] if claim else None):
-                if c is not None and c != MPI.COMM_NULL:
+            for c in (world, inter, pool):
+                if c is not None:
                     _ftcoll.revoke(c)     # a newcomer waiting on them leaves
+            if claim is not None and claim[2] != MPI.COMM_NULL:
+                retire(claim[2])          # split on some processes only: nobody uses it
             self._notify("failed", [], reason="a process failed during the join")
             self._retry_later()
             return
@@ -281,8 +289,8 @@ class RespawnComm(SpareComm):
     def _claim(self, world: MPI.Intracomm, held: list[int | None]) -> Claim:
         """Everyone, survivors and newcomers, a collective on the joined world: the lowest newcomers take the
         empty slots, and the training communicator is split from it in slot order.  Inside the join's agreed part:
-        a process that dies before or in the split (a newcomer that failed, a survivor killed) fails the join alike
-        everywhere, instead of raising on some processes only (64 ranks: every rank ended)."""
+        a process that died before the split (a newcomer that failed, a survivor killed) fails the join alike
+        everywhere, instead of raising on the others after the agree (64 ranks: every rank ended)."""
         survivors = [s for s in held if s is not None]
         newcomers = [r for r, s in enumerate(held) if s is None]
         taken = dict(zip(sorted(set(range(self.slots)) - set(survivors)), newcomers))

@@ -127,7 +127,7 @@ class SpareComm(FaultTolerantComm):
 
     def _split(self, slot: int | None, world: MPI.Intracomm | None = None) -> MPI.Intracomm:
         """The training communicator of the world (or of `world`, a joined one not yet taken), in slot order."""
-        comm = (world or self.world).Split(0 if slot is not None else MPI.UNDEFINED, slot or 0)
+        comm = (self.world if world is None else world).Split(0 if slot is not None else MPI.UNDEFINED, slot or 0)
         if comm != MPI.COMM_NULL:
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         return MPI.Intracomm(comm)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import stat
 import statistics
 import sys
 import tempfile
@@ -28,6 +30,8 @@ import time
 from typing import Any
 
 Row = dict[str, Any]
+_FILE = re.compile(r"(\d+)\.(json|tmp|evicted)")     # a board's files: PID.json, PID.tmp, PID.evicted
+_WRITE_TRIES = 3      # a row is written again into a board re-made after the last process to leave removed it
 STEPS_MEASURED = 16      # a straggler's slowness must hold over this many steps of its own (its median's window)
 # ... and cost at least this share of a step: removing it must shorten the job's steps by half or more (a rank
 # 3x slower in 1 ms of work within a 45 ms step is scheduler noise on a loaded machine, not worth a rank).
@@ -85,9 +89,9 @@ class Board:
 
     def _make(self) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        st = os.stat(self.dir)
-        if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise PermissionError(f"the hang board {self.dir} is not this user's alone (mode 0700)")
+        st = os.lstat(self.dir)         # (a link put there by another user, to a folder of ours, is refused)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(f"the hang board {self.dir} is not this user's alone (a folder of mode 0700)")
 
     def _path(self, pid: int, suffix: str = "json") -> str:
         return os.path.join(self.dir, f"{pid}.{suffix}")
@@ -95,13 +99,15 @@ class Board:
     def write(self, row: Row) -> None:
         """Publish `row` as the row of row["pid"] (write, then rename: a reader never sees half a row)."""
         tmp = self._path(row["pid"], "tmp")
-        try:
-            f = open(tmp, "w")
-        except FileNotFoundError:       # the last process to leave removed the board: this one is not gone yet
-            self._make()
-            f = open(tmp, "w")
-        with f:
-            json.dump(row, f)
+        for attempt in range(_WRITE_TRIES):
+            try:
+                with open(tmp, "w") as f:
+                    json.dump(row, f)
+                break
+            except FileNotFoundError:   # the last process to leave removed the board: this one is not gone yet
+                if attempt == _WRITE_TRIES - 1:
+                    raise
+                self._make()
         os.replace(tmp, self._path(row["pid"]))
 
     def remove(self, pid: int) -> None:
@@ -156,15 +162,15 @@ class Board:
             os.kill(row["pid"], signal.SIGKILL)
 
     def close(self, pid: int) -> None:
-        """Remove pid's row; the last process to leave removes the board.  Only what the dead left goes: a live
-        process may be writing its first row (a `.tmp` not yet renamed), and then the board stays (rmdir of a
-        folder that is not empty fails)."""
+        """Remove pid's row; the last process to leave removes the board.  Only the files of processes that are
+        gone go (a live one may be writing its first row, or have renamed it since rows() looked), and the board
+        only once nothing else is in it (rmdir of a folder that is not empty fails)."""
         self.remove(pid)
         with contextlib.suppress(OSError):
             if not self.rows():
                 for name in os.listdir(self.dir):
-                    writer = name.split(".", 1)[0]
-                    if not (name.endswith(".tmp") and writer.isdigit() and os.path.exists(f"/proc/{writer}")):
+                    writer = _FILE.fullmatch(name)
+                    if writer and (int(writer[1]) == pid or not os.path.exists(f"/proc/{writer[1]}")):
                         os.unlink(os.path.join(self.dir, name))
                 os.rmdir(self.dir)
 
