@@ -28,6 +28,7 @@ from mpi4py import MPI
 from .. import _ftcoll
 from ..core.modes import Phase
 from ..transport import faults
+from ..transport.collectives import EXCHANGE_FAILED
 from ..transport.comm import FaultTolerantComm, agree_all_ok
 from ..transport.faults import Kill, parse_kill
 from ..transport.lifecycle import env_seconds
@@ -134,7 +135,7 @@ def rebuild_world(g: GlobalRestart, old: ReinitComm, job: TrainJob) -> tuple[Rei
         try:
             slots = shrunk.allgather(old.world_rank)
             faults.point(old.step, Phase.REBUILD)
-        except MPI.Exception:
+        except EXCHANGE_FAILED:
             ok = False
         # Everyone alive before the spawn: MPI_Comm_spawn over a world with a dead member never returns in
         # Open MPI 5.0.x (its connect/accept waits for that member; the watchdog bounds it).

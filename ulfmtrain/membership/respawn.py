@@ -41,6 +41,7 @@ from mpi4py import MPI
 from .. import _ftcoll
 from ..core.modes import Phase
 from ..transport import exits, faults
+from ..transport.collectives import EXCHANGE_FAILED
 from ..transport.comm import _fault_tolerant_dup, agree_all_ok, require_fault_tolerance, retire
 from ..transport.stall import Watchdog, die_told
 from . import forkserver
@@ -263,7 +264,7 @@ class RespawnComm(SpareComm):
                 held = world.allgather(self.slot)
                 faults.point(self.step, Phase.SPLIT)
                 claim = self._claim(world, held)
-            except MPI.Exception:
+            except EXCHANGE_FAILED:
                 ok = 0
             go = agree_all_ok(world, bool(ok))      # the newcomer takes part: it leaves unless all went through
             timer.close()
@@ -363,7 +364,7 @@ class RespawnComm(SpareComm):
                 held = world.allgather(None)
                 self.slots, self.placement = info["slots"], info["placement"]    # the slots' GPUs (device.py)
                 claim = self._claim(world, held)
-            except MPI.Exception:
+            except EXCHANGE_FAILED:
                 pass
             if not agree_all_ok(world, claim is not None) or claim is None:     # as the survivors decide it
                 raise self._leave(timer, "a process failed during the join")

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from .. import _ftcoll
 from ..core.modes import Phase
 from ..transport import exits, faults
+from ..transport.collectives import EXCHANGE_FAILED
 from ..transport.comm import (
     FaultPathError,
     FaultTolerantComm,
@@ -85,7 +86,7 @@ class SpareComm(FaultTolerantComm):
         t_start = MPI.Wtime()
         try:
             placement, comm, ok = world.allgather(local_rank()), self._split(self.slot), True
-        except MPI.Exception:
+        except EXCHANGE_FAILED:
             placement, comm, ok = [], MPI.Intracomm(MPI.COMM_NULL), False
         self.placement: list[int] = placement   # slot s keeps launch rank s's GPU (device.py)
         self._setup(comm, -1 if self.slot is None else self.slot, list(range(self.slots)))
@@ -105,7 +106,7 @@ class SpareComm(FaultTolerantComm):
             self.receivers.clear()          # nothing started: nothing to hand over
             try:
                 held, ok = self.world.allgather((self.slot, local_rank())), True
-            except MPI.Exception:
+            except EXCHANGE_FAILED:
                 held, ok = [], False
             if agree_all_ok(self.world, ok):
                 break
@@ -164,7 +165,7 @@ class SpareComm(FaultTolerantComm):
                 if slot is None and fresh.Get_rank() in taken.values():
                     slot = next(s for s, r in taken.items() if r == fresh.Get_rank())
                 comm = self._split(slot)
-            except MPI.Exception:
+            except EXCHANGE_FAILED:
                 ok = False
             if agree_all_ok(fresh, ok):
                 break

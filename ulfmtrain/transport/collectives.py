@@ -8,6 +8,7 @@ membership/spares.py), and nothing internal (StartOver, AttemptFailed) reaches t
 """
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,6 +20,10 @@ from . import phase
 
 T = TypeVar("T")
 OPS = {"mean": MPI.SUM, "sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}     # in phase.OPS's order
+# What a repair's or a join's pickled collective (mpi4py's allgather, bcast) raises when a process dies in it: an
+# MPI error, or, now and then, success with bytes that do not unpickle (a 1000-failure soak: twice, in the
+# repair's allgather).  Either is a failed attempt of that collective; the agree after it decides for everyone.
+EXCHANGE_FAILED = (MPI.Exception, pickle.UnpicklingError, EOFError)
 
 
 def agree_all_ok(comm: MPI.Comm, ok: bool) -> bool:
