@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -127,8 +128,9 @@ def test_the_board_keeps_one_row_per_live_process_and_one_line_per_eviction(tmp_
 
 
 def test_the_last_to_leave_never_removes_a_row_being_written(tmp_path, monkeypatch):
-    """64 ranks starting on 2 cores: one rank left (closed) while no row was on the board yet and removed the board
-    between another rank's write of its row and its rename (FileNotFoundError at start, the rank failed)."""
+    """A process that leaves while no row is on the board yet (the first rows of a job starting) must not remove
+    the board, or the file another process is writing (found while looking for the 64-rank job's failure at
+    start, whose cause was the next test's)."""
     board, other = boards.Board(str(tmp_path / "board")), boards.Board(str(tmp_path / "board"))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -151,6 +153,30 @@ def test_the_last_to_leave_never_removes_a_row_being_written(tmp_path, monkeypat
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+def test_two_threads_of_one_process_write_its_row_at_once(tmp_path):
+    """A rank's main thread publishes its row (comm.py, as it becomes a member) while its hang watch's thread
+    writes the same row: both wrote PID.tmp, the first rename took it, the second found none (64 ranks on 2 cores:
+    FileNotFoundError at start, the rank failed)."""
+    board = boards.Board(str(tmp_path / "board"))
+    me = row(os.getpid(), start=boards.start_time(os.getpid()))
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for _ in range(3000):
+                board.write(me)
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert [r["pid"] for r in board.rows()] == [os.getpid()]
 
 
 def test_a_board_that_is_a_link_is_refused(tmp_path):

@@ -26,6 +26,7 @@ import stat
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -85,6 +86,9 @@ class Board:
 
     def __init__(self, directory: str) -> None:
         self.dir = directory
+        # A process's row has two writers: its main thread (hangs.publish, as it becomes a member) and its hang
+        # watch's thread; both through PID.tmp, whose rename the other would find gone.
+        self._writing = threading.Lock()
         self._make()
 
     def _make(self) -> None:
@@ -99,16 +103,17 @@ class Board:
     def write(self, row: Row) -> None:
         """Publish `row` as the row of row["pid"] (write, then rename: a reader never sees half a row)."""
         tmp = self._path(row["pid"], "tmp")
-        for attempt in range(_WRITE_TRIES):
-            try:
-                with open(tmp, "w") as f:
-                    json.dump(row, f)
-                break
-            except FileNotFoundError:   # the last process to leave removed the board: this one is not gone yet
-                if attempt == _WRITE_TRIES - 1:
-                    raise
-                self._make()
-        os.replace(tmp, self._path(row["pid"]))
+        with self._writing:
+            for attempt in range(_WRITE_TRIES):
+                try:
+                    with open(tmp, "w") as f:
+                        json.dump(row, f)
+                    break
+                except FileNotFoundError:   # the last process to leave removed the board: this one is not gone
+                    if attempt == _WRITE_TRIES - 1:
+                        raise
+                    self._make()
+            os.replace(tmp, self._path(row["pid"]))
 
     def remove(self, pid: int) -> None:
         with contextlib.suppress(OSError):
