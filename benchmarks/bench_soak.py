@@ -275,6 +275,8 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
                         kill(now[target], episode, "spawn", target)
             episode += 1
         if proc.poll() is None:
+            print(f"bench_soak: the job ran past --timeout ({args.timeout:g} s) after {len(kills)} kills: stopped",
+                  file=sys.stderr, flush=True)
             common._stop(proc)
     return {"kills": kills, "launch_wall_s": time.monotonic() - t0, "console": str(log),
             "rc": proc.returncode, "samples": str(samples_path)}
@@ -294,6 +296,7 @@ class LogScan:
         self.recoveries: list[dict] = []      # each with "pid": the process that logged it
         self.respawns: list[dict] = []
         self.checksums: dict[int, set[int]] = defaultdict(set)
+        self.accuracy: list[tuple[int, float]] = []     # (epoch, test accuracy of the replica), from rank 0's log
         first = np.full(1 << 16, np.inf)
         world = np.zeros(1 << 16, dtype=np.int16)
         for path in sorted(out.glob("rank*.jsonl")):
@@ -312,6 +315,9 @@ class LogScan:
                             first[i], world[i] = r["t"], r["world"]
                         if "checksum" in r:
                             self.checksums[i].add(r["checksum"])
+                    elif line.startswith(b'{"event": "epoch"') and b'"test_acc"' in line:
+                        r = json.loads(line)
+                        self.accuracy.append((r["epoch"], r["test_acc"]))
                     elif line.startswith(self.KINDS):
                         r = json.loads(line)
                         if r["event"] == "start":
@@ -380,7 +386,8 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
         # be noticed (a kill is noticed in tens of ms: longer means the ranks were stuck when it came).
         errors_with_nobody_dead=len({r["step"] for r in recs if r.get("cause")}),
         slow_detections=len({r["step"] for r in recs if r["detect_ms"] > SLOW_DETECT_MS}),
-        world=[(float(a), int(b)) for a, b in zip(t[::every], w[::every])])
+        world=[(float(a), int(b)) for a, b in zip(t[::every], w[::every])],
+        accuracy=model_quality(logs.accuracy))
     # (seconds since the first step, committed steps): the figure's curve, at most 2000 points.
     res["progress"] = [(round(float(x - t[0]), 3), i + 1) for i, x in enumerate(t)][every - 1:: every]
     res["t_first_step"] = float(t[0])
@@ -397,6 +404,18 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
         for smp in res["samples"]:
             smp["steps_before"] = int(np.searchsorted(t, smp["t"]))
     return res
+
+
+def model_quality(accuracy: list[tuple[int, float]]) -> dict[str, Any]:
+    """The replica's test accuracy: at the end, at best, and the first epoch after the best where it fell below
+    half of it (identical replicas and an exact audit say nothing of a model that training destroyed)."""
+    if not accuracy:
+        return {}
+    accs = np.array([a for _, a in accuracy])
+    best = int(np.argmax(accs))
+    fell = next((e for e, a in accuracy[best:] if a < accs[best] / 2), None)
+    return {"final": float(accs[-1]), "best": float(accs[best]), "best_epoch": accuracy[best][0],
+            "fell_at_epoch": fell}
 
 
 def episodes(kills: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -774,7 +793,10 @@ def main(argv: list[str]) -> int:
     else:
         print(f"soak: {epochs} epochs, {args.failures} SIGKILLs, one episode every {args.interval:g} s on average",
               flush=True)
-        kills = run_job(args, data, work / "soak", epochs, args.failures)["kills"]
+        # Bounded by three times the episodes' time (--timeout's default, an hour, stopped a 1000-failure soak at
+        # 559 kills), or --timeout if longer.
+        bound = argparse.Namespace(**{**vars(args), "timeout": max(args.timeout, 3 * episodes_due * args.interval)})
+        kills = run_job(bound, data, work / "soak", epochs, args.failures)["kills"]
     soak = measure(work / "soak", args.ranks, kills, free["train_s"] / free["steps"], args.interval)
     reference("free_after", args)
     samples = soak.pop("samples", [])
@@ -807,6 +829,9 @@ def main(argv: list[str]) -> int:
             recovery_ms_per_failure=soak["recovery_ms"],
             recovery_ms_by_episode_kind={k: common.summarize(v) for k, v in by_kind.items()},
             replicas_identical=soak["consistent"] and soak["replicas_identical_after_every_recovery"],
+            # The model itself: the soak's replica at its end against the failure-free reference's.
+            test_acc={"soak": soak["accuracy"], "reference": free.get("accuracy")},
+            model_intact=soak["accuracy"].get("final", 0.0) >= free.get("accuracy", {}).get("final", 1.0) - 0.05,
             audit_exact=soak["audit_exact"],
             checksum_equals_failure_free=soak["checksum"] == free["checksum"] if ref_epochs == epochs else None,
             world_restored_before_next_failure=f"{soak['restored_before_next']}/{soak['episodes']}",
@@ -843,7 +868,7 @@ def main(argv: list[str]) -> int:
         "soak": soak, "kills": kills, "samples": samples, "plot": png.name, "plot_failures": failures_png.name,
         "bench_wall_s": time.perf_counter() - t0})
     common.finish(args, work, path, png)
-    bad = [k for k in ("replicas_identical", "audit_exact") if headline.get(k) is False]
+    bad = [k for k in ("replicas_identical", "audit_exact", "model_intact") if headline.get(k) is False]
     if ok and (bad or headline["failures_survived"] != len(kills)):
         print(f"bench_soak: the soak did not hold: {', '.join(bad) or 'replicas'} failed (see {path})",
               file=sys.stderr)

@@ -294,3 +294,13 @@ def test_soak_lost_time_at_its_own_pace_counts_the_gap_across_the_kill() -> None
 
     t = np.array([float(i) for i in range(20)] + [22.0 + i for i in range(20)])
     assert _soak_module().lost_at_own_pace(t, [{"t": 19.5}]) == pytest.approx(2.0)
+
+
+def test_soak_judges_the_model_not_only_the_replicas() -> None:
+    """A 1000-failure soak's replicas stayed identical and its audit exact while its model fell from 0.99 to chance
+    at epoch 3811 and stayed there: the soak now says when the accuracy fell, and model_intact is false."""
+    soak = _soak_module()
+    assert soak.model_quality([]) == {}
+    q = soak.model_quality([(0, 0.4), (1, 0.98), (2, 0.99), (3, 0.34), (4, 0.1)])
+    assert q == {"final": 0.1, "best": 0.99, "best_epoch": 2, "fell_at_epoch": 3}
+    assert soak.model_quality([(0, 0.5), (1, 0.97), (2, 0.96)])["fell_at_epoch"] is None

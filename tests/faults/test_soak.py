@@ -34,6 +34,7 @@ def test_twenty_failures_in_one_job(tmp_path):
     h = data["headline"]
     assert h["failures_delivered"] == FAILURES and h["failures_survived"] == FAILURES, h
     assert h["replicas_identical"] and h["audit_exact"], h
+    assert h["model_intact"] and h["test_acc"]["soak"]["fell_at_epoch"] is None, h["test_acc"]    # the model too
     assert data["soak"]["checked_steps"] > 0                 # checksums compared after the recoveries
     assert h["spare_takeovers"] >= 1 and h["respawn_joins"] >= 1, h
     # Each newcomer that took a slot or the spare's place logged itself: on one host, every one a fork of the
