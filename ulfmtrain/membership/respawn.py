@@ -61,6 +61,7 @@ LEAVE_S = 6.0
 # until the next repair (a spawn that cannot succeed costs every rank 0.1 s per try).
 SPAWN_RETRIES = 2
 JoinListener = Callable[[dict[str, Any]], None]
+_JOIN_FIX = "the job ends; resume it from a checkpoint (--ckpt-dir, under `ulfmtrain supervise`)"   # a join's bound
 Claim = tuple[int | None, dict[int, int], MPI.Intracomm]    # this process's slot, slot -> newcomer, its split
 
 
@@ -236,8 +237,7 @@ class RespawnComm(SpareComm):
         go = agree_all_ok(self.world, bool(ok))
         if go and inter is not None:
             faults.point(self.step, Phase.MERGE)
-            timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint "
-                              "(--ckpt-dir, under `ulfmtrain supervise`)", why="a process died inside "
+            timer = _watchdog("joining a respawned process", _JOIN_FIX, why="a process died inside "
                               "MPI_Intercomm_merge, and Open MPI 5.0.x does not return from that")
             try:
                 merged = MPI.Intracomm(inter.Merge(high=False))     # survivors first, in world order
@@ -254,8 +254,7 @@ class RespawnComm(SpareComm):
         if go and world is not None:
             # A death before the split makes it return an error (kill phase split); one inside it was never
             # measured, and the split allocates a context id as the merge does: bounded alike.
-            timer = _watchdog("joining a respawned process", "the job ends; resume it from a checkpoint "
-                              "(--ckpt-dir, under `ulfmtrain supervise`)", why="a process died inside the join's "
+            timer = _watchdog("joining a respawned process", _JOIN_FIX, why="a process died inside the join's "
                               "split, and Open MPI 5.0.x did not return from that")
             try:
                 info = world.bcast({"slots": self.slots, "history": self.world_history, "placement": self.placement,
