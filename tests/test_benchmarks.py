@@ -304,3 +304,18 @@ def test_soak_judges_the_model_not_only_the_replicas() -> None:
     q = soak.model_quality([(0, 0.4), (1, 0.98), (2, 0.99), (3, 0.34), (4, 0.1)])
     assert q == {"final": 0.1, "best": 0.99, "best_epoch": 2, "fell_at_epoch": 3}
     assert soak.model_quality([(0, 0.5), (1, 0.97), (2, 0.96)])["fell_at_epoch"] is None
+
+
+@pytest.mark.timeout(120)
+def test_bench_stability_trains_each_seed_without_mpi_and_says_where_it_fell(tmp_path: Path) -> None:
+    """Two seeds a few epochs: each seed's accuracy at every --every epochs and the last, in the JSON and the
+    figure; two runs of one seed agree bit for bit (the evidence that a collapse is the optimizer's own)."""
+    cmd = [sys.executable, "-P", str(BENCH / "bench_stability.py"), "--seeds", "3", "3", "--epochs", "5", "--every",
+           "2", "--results", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "stability.json").read_text())
+    a, b = data["runs"]
+    assert [e for e, _ in a["accuracy"]] == [1, 3, 4] and a["accuracy"] == b["accuracy"]
+    assert a["steps"] == 5 * math.ceil(1437 / 64) and 0.5 < a["final"] <= 1   # digits' 1437 training records
+    assert data["headline"]["collapsed"] == 0 and (tmp_path / "stability.png").stat().st_size > 0

@@ -19,7 +19,7 @@ out = sys.argv[1]
 ft = FaultTolerantComm()
 w = ft.world_rank
 model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
-opt = FTSGD(model.parameters(), ft, lr=0.0, bucket_bytes=80)
+opt = FTSGD(model.parameters(), ft, lr=0.0, bucket_bytes=80, model=model)
 faults.arm(faults.parse_kills(["3@0:allreduce"]), w)
 for p in model.parameters():
     p.grad = torch.full_like(p, float(w + 1))

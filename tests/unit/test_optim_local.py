@@ -156,7 +156,8 @@ def test_is_a_torch_optimizer_for_schedulers_and_grad_scaler():
     model2, _, opt2 = make()
     opt2.load_state_dict(sd)
     assert opt2.state_dict()["state"].keys() == sd["state"].keys()
-    assert isinstance(DistributedOptimizer(torch.optim.AdamW(model.parameters()), comm), torch.optim.Optimizer)
+    assert isinstance(DistributedOptimizer(torch.optim.AdamW(model.parameters()), comm, model=model),
+                      torch.optim.Optimizer)
 
 
 def test_buffers_are_averaged_and_integer_buffers_taken_from_rank_zero():
@@ -197,7 +198,8 @@ def test_scale_lr_follows_the_world_at_the_commit_and_travels_in_the_state():
     model = torch.nn.Linear(4, 2)
     comm = FakeComm(size=4)
     opt = FTSGD(model.parameters(), comm, lr=0.08, model=model, scale_lr=True)
-    steady = FTSGD(torch.nn.Linear(4, 2).parameters(), FakeComm(size=4), lr=0.08)
+    net = torch.nn.Linear(4, 2)
+    steady = FTSGD(net.parameters(), FakeComm(size=4), lr=0.08, model=net)
     lrs = []
     for size in (4, 3, 3, 1, 4):
         comm.size = steady.comm.size = size
@@ -208,7 +210,8 @@ def test_scale_lr_follows_the_world_at_the_commit_and_travels_in_the_state():
     assert lrs == pytest.approx([0.08, 0.06, 0.06, 0.02, 0.08], rel=1e-12)
     assert steady.param_groups[0]["lr"] == 0.08                  # off by default
     # A hand-over or a checkpoint carries the size the lr is set for: a receiver at another size rescales.
-    other = FTSGD(torch.nn.Linear(4, 2).parameters(), FakeComm(size=2), lr=0.5, scale_lr=True)
+    net2 = torch.nn.Linear(4, 2)
+    other = FTSGD(net2.parameters(), FakeComm(size=2), lr=0.5, scale_lr=True, model=net2)
     other.load_state_dict(opt.state_dict())
     other.step()
     assert other.param_groups[0]["lr"] == pytest.approx(0.04, rel=1e-12)
@@ -248,3 +251,18 @@ def test_loading_the_state_a_model_holds_already_leaves_its_tensors_untouched():
     opt._load_entry(entry)
     written = [k for k, p in model.named_parameters() if p._version != versions[k]]
     assert written == ["0.bias"] and torch.equal(model[0].bias, entry["model"]["0.bias"])
+
+
+def test_the_parameters_of_a_module_without_the_module_are_refused_with_one_line(capsys):
+    """Horovod's convention, `DistributedOptimizer(opt, comm)`: before, a model's batch-norm statistics were never
+    averaged nor compared and a replacement kept its own random state, with status 0 at the end."""
+    from ulfmtrain.core.refusal import Refused
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(Refused) as exc:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FakeComm())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1 and len(err) == 1 and "pass model=model" in err[0], err
+    # Plain tensors belong to no module: nothing to pass, nothing refused.
+    w = torch.zeros(3, requires_grad=True)
+    assert DistributedOptimizer(torch.optim.SGD([w], lr=0.1), FakeComm()).params == [w]

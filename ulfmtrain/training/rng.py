@@ -92,24 +92,16 @@ class StepSeed:
 
 
 def on_forward(model: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> None:
-    """Call fn(module) before each forward of `model`; where `model` is a container that is never called itself
-    (a ModuleDict or ModuleList of a GAN's two networks), before each forward of its members.
+    """Call fn(module) before each forward of `model` or of any module inside it: a loop may never call the model
+    itself (a ModuleDict of a GAN's two networks, `vae.encode(x)`, `model.backbone(x)`); fn acts once a step.
 
     A global hook, not one on the module: torch.save(model) pickles a module's own hooks, and ours refer to the
     optimizer (and its communicator), which cannot be pickled.
     """
-    called = weakref.WeakSet(_called_parts(model))
+    parts = weakref.WeakSet(model.modules())
 
     def hook(module: torch.nn.Module, _args: Any) -> None:
-        if module in called:
+        if module in parts:
             fn(module)
 
     torch.nn.modules.module.register_module_forward_pre_hook(hook)
-
-
-def _called_parts(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules a script calls: `model` where it has a forward of its own, else (a container: calling it would
-    raise) its members', recursively."""
-    if type(model).forward is not torch.nn.Module.forward:
-        return [model]
-    return [part for child in model.children() for part in _called_parts(child)]
