@@ -92,13 +92,15 @@ def test_with_a_spare_accumulation_ends_bit_identical(mpi, tmp_path, failure_fre
 
 
 @pytest.mark.timeout(2 * BOUND_S)
-def test_accumulation_the_sampler_was_not_told_of_ends_the_job_with_one_line(mpi, tmp_path):
+@pytest.mark.parametrize("order", [[], ["--sampler-first"]], ids=["optimizer-first", "sampler-first"])
+def test_accumulation_the_sampler_was_not_told_of_ends_the_job_with_one_line(mpi, tmp_path, order):
     """The loop steps every 4 micro-batches, the sampler plans 1 a step (accumulate left out).  Before, the job
     ended with status 0 having trained 4 steps' records as 1 (66 of 64, ~144 twice after a kill) and the
     audit said exactly-once; now the end of the script finds the epoch's steps left uncommitted: status 1 on
     every rank once they have left together, one line.  (With more epochs, the next epoch's start finds it:
-    test_the_mismatch_after_a_kill_is_stopped_too.)"""
-    proc = run(mpi, "hf_accumulate.py", tmp_path, *HF, "--no-plan", "--metric", "none", "--epochs", "1")
+    test_the_mismatch_after_a_kill_is_stopped_too.)  A sampler made before the optimizer counted no backward
+    (it hooked the optimizers there were at its making: none), so it judged nothing and the job ended 0."""
+    proc = run(mpi, "hf_accumulate.py", tmp_path, *HF, "--no-plan", "--metric", "none", "--epochs", "1", *order)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if x.startswith("ulfmtrain: error:")]
     assert len(lines) == 1 and "pass ExactlyOnceSampler(..., accumulate=4)" in lines[0], proc.stderr[-3000:]

@@ -33,6 +33,7 @@ p.add_argument("--drop-last", action="store_true")
 p.add_argument("--bf16", action="store_true")
 p.add_argument("--workers", type=int, default=2)
 p.add_argument("--metric", choices=["dist", "none"], default="dist")
+p.add_argument("--sampler-first", action="store_true", help="make the sampler before the optimizer (no opt given)")
 args = p.parse_args()
 
 comm = ulfmtrain.connect()
@@ -44,12 +45,15 @@ train_set, test_set = TensorDataset(x[:args.records], y[:args.records]), TensorD
                                                                                        y[args.records:])
 model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
                             torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
-opt = ulfmtrain.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), comm, model=model,
-                                     overlap=args.overlap, bucket_bytes=1024, seed=3)
 plan = {} if args.no_plan else {"accumulate": args.k}
 if args.drop_last:
     plan["drop_last"] = True
-sampler = ulfmtrain.ExactlyOnceSampler(len(train_set), comm, opt, batch_size=args.batch, seed=5, **plan)
+if args.sampler_first:           # the data first, as examples/dcgan does: the sampler follows the job's optimizers
+    sampler = ulfmtrain.ExactlyOnceSampler(len(train_set), comm, batch_size=args.batch, seed=5, **plan)
+opt = ulfmtrain.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), comm, model=model,
+                                     overlap=args.overlap, bucket_bytes=1024, seed=3)
+if not args.sampler_first:
+    sampler = ulfmtrain.ExactlyOnceSampler(len(train_set), comm, opt, batch_size=args.batch, seed=5, **plan)
 loader = DataLoader(train_set, batch_sampler=sampler, num_workers=args.workers)
 warmup = 4
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))

@@ -24,14 +24,27 @@ class SamplerHooks:
         from ..training.job_state import JobState
 
         self.job = JobState.of(comm)
-        self.opts: list[Any] = [opt] if opt is not None else list(self.job.optimizers)
+        self._opt = opt
         self.steps: Any = opt if opt is not None else self.job       # whose commits advance the sampler
         self._graph_task = torch._C._current_graph_task_id
         self._task, self.backwards = -1, 0
-        # Backward passes through the models, counted on their parameters (a pass fires several: one count each).
+        self._counted: list[Any] = []
+        self.count_backwards()
+
+    @property
+    def opts(self) -> list[Any]:
+        """The optimizers whose steps consume batches: the one given, else the job's, also those made after the
+        sampler (the data first, as examples/dcgan does)."""
+        return [self._opt] if self._opt is not None else list(self.job.optimizers)
+
+    def count_backwards(self) -> None:
+        """Count the backward passes through the models, on their parameters (a pass fires several: one count
+        each), of every optimizer not counted yet: at the making and at each pass of the loader."""
         for o in self.opts:
-            for p in o.params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+            if not any(o is c for c in self._counted):
+                self._counted.append(o)
+                for p in o.params:
+                    p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, _: torch.Tensor) -> None:
         task = self._graph_task()

@@ -58,7 +58,8 @@ class ExactlyOnceSampler:
     Args:
         count: the number of records (len(dataset)); indices 0..count-1.
         comm: the communicator (ulfmtrain.connect()).
-        opt: the DistributedOptimizer whose steps consume the batches (default: the job's steps).
+        opt: the DistributedOptimizer whose steps consume the batches (default: the job's steps, those of the
+            optimizers made before the sampler or after it).
         batch_size: records per micro-batch (at most).
         seed: the permutations' seed (the same on every rank).
         accumulate: micro-batches per optimizer step (gradient accumulation: the loop steps once every
@@ -187,6 +188,7 @@ class ExactlyOnceSampler:
                                  "sampler.epochs(0, E)` (it starts a replacement at the job's epoch)")
             self._start(self.epoch + 1)          # a loop without set_epoch: the next epoch (carried steps first)
         self._pass = _Batches(self)
+        self.hooks.count_backwards()
         self._pass_backwards, self._per_step = self.hooks.backwards, None
         return self._pass
 
