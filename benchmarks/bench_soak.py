@@ -25,7 +25,8 @@ It reports failures survived, steps committed, goodput against the reference
 while the kills came: the steps committed up to one interval after the last
 kill against the reference's pace), time lost per failure and where it went
 (lost_parts), the same against the soak's own pace between failures
-(lost_at_own_pace, free of the drift) and the interval between failures each
+(lost_at_own_pace, free of the drift; by part: the recovery, the refill's
+spawn, the newcomer's start-up) and the interval between failures each
 cost allows for a goodput of 0.98, each episode's recovery, whether the
 replicas stayed identical (the checksum every rank logs after each recovery,
 and at the end) and the audit exact (read line by line: audit_files), whether
@@ -394,6 +395,7 @@ def measure(out: Path, ranks: int, kills: list[dict[str, Any]], ref_step_s: floa
     if kills:
         res["lost_s_per_failure_by_part"] = lost_parts(respawns, t, kills, ref_step_s)
         res["lost_s_per_failure_at_own_pace"] = lost_at_own_pace(t, kills)
+        res["lost_s_per_failure_at_own_pace_by_part"] = lost_at_own_pace_by_part(t, kills, respawns)
         res["stalls"] = stalls(t, kills)
         t_start, t_end = min(s["t"] for s in starts), kills[-1]["t"] + interval
         res["while_failing"] = {"window_s": t_end - t_start, "steps": int(np.searchsorted(t, t_end, side="right"))}
@@ -501,6 +503,21 @@ def lost_parts(respawns: list[dict], t: np.ndarray, kills: list[dict[str, Any]],
             for i, name in enumerate(("kill_to_spawn", "newcomer_start_up", "between_failures"))}
 
 
+def _own_pace_excess(t: np.ndarray, kills: list[dict[str, Any]]) -> list[tuple[dict, np.ndarray, np.ndarray]]:
+    """For each interval from a kill to the next (the last: to the last step) with 6 steps or more: the kill, the
+    commit time of each step and its time past the mean step of the interval's last third, the step that spans
+    the kill first."""
+    out = []
+    ends = [k["t"] for k in kills[1:]] + [float(t[-1])]
+    for k, end in zip(kills, ends):
+        first = max(0, int(np.searchsorted(t, k["t"], side="right")) - 1)     # the last step before the kill
+        seg = t[first:np.searchsorted(t, end, side="right")]
+        dt = np.diff(seg)
+        if dt.size >= 6:
+            out.append((k, seg[1:], dt - np.mean(dt[-(dt.size // 3):])))
+    return out
+
+
 def lost_at_own_pace(t: np.ndarray, kills: list[dict[str, Any]]) -> float:
     """Seconds lost per failure against the soak's own pace: in each interval from a kill to the next, every
     step's time past the mean step of the interval's last third (by then the world is whole again), the step
@@ -510,14 +527,28 @@ def lost_at_own_pace(t: np.ndarray, kills: list[dict[str, Any]]) -> float:
     Free of the drift between a reference run and the soak (this machine's pace moved by up to 54 % within
     one soak), but blind to a slower steady state (newcomers on TCP), which the goodput ratios count.
     t: the steps' commit times."""
-    lost = 0.0
-    ends = [k["t"] for k in kills[1:]] + [float(t[-1])]
-    for k, end in zip(kills, ends):
-        first = max(0, int(np.searchsorted(t, k["t"], side="right")) - 1)     # the last step before the kill
-        dt = np.diff(t[first:np.searchsorted(t, end, side="right")])
-        if dt.size >= 6:
-            lost += float(np.sum(dt - np.mean(dt[-(dt.size // 3):])))
-    return lost / max(1, len(kills))
+    return sum(float(ex.sum()) for _, _, ex in _own_pace_excess(t, kills)) / max(1, len(kills))
+
+
+def lost_at_own_pace_by_part(t: np.ndarray, kills: list[dict[str, Any]], respawns: list[dict]) -> dict[str, float]:
+    """lost_at_own_pace split by what the job was doing, per failure: `recovery` (the step across the kill and
+    those before the refill's spawn: detection, repair, the hand-over to the spare, the step redone),
+    `spawn` (steps committed while the lowest rank was inside MPI_Comm_spawn: the others wait for it),
+    `newcomer_start_up` (from the spawn's return to the join, the join included: the newcomer's start-up takes
+    the training ranks' cores here) and `rest` (after the join).  Where no spawn started before the next kill
+    (the waiting spare killed), all of it is `recovery`.  The parts add up to lost_at_own_pace."""
+    joins = sorted((r["t_spawn"], r["t_spawn"] + r["spawn_s"], r["t"]) for r in respawns
+                   if r["status"] == "joined" and r.get("spawn_s") is not None)
+    starts = np.array([j[0] for j in joins])
+    parts = dict.fromkeys(("recovery", "spawn", "newcomer_start_up", "rest"), 0.0)
+    for k, at, ex in _own_pace_excess(t, kills):
+        i = int(np.searchsorted(starts, k["t"]))
+        spawn, back, joined = joins[i] if i < len(joins) and joins[i][0] <= at[-1] else (np.inf,) * 3
+        parts["recovery"] += float(ex[0] + ex[1:][at[1:] <= spawn].sum())
+        parts["spawn"] += float(ex[1:][(at[1:] > spawn) & (at[1:] <= back)].sum())
+        parts["newcomer_start_up"] += float(ex[1:][(at[1:] > back) & (at[1:] <= joined)].sum())
+        parts["rest"] += float(ex[1:][at[1:] > joined].sum())
+    return {name: v / max(1, len(kills)) for name, v in parts.items()}
 
 
 def plot(free: dict, soak: dict, kills: list[dict], goodput: float | None, path: Path) -> None:
