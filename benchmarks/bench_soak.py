@@ -533,10 +533,10 @@ def lost_at_own_pace(t: np.ndarray, kills: list[dict[str, Any]]) -> float:
 def lost_at_own_pace_by_part(t: np.ndarray, kills: list[dict[str, Any]], respawns: list[dict]) -> dict[str, float]:
     """lost_at_own_pace split by what the job was doing, per failure: `recovery` (the step across the kill and
     those before the refill's spawn: detection, repair, the hand-over to the spare, the step redone),
-    `spawn` (steps committed while the lowest rank was inside MPI_Comm_spawn: the others wait for it),
-    `newcomer_start_up` (from the spawn's return to the join, the join included: the newcomer's start-up takes
-    the training ranks' cores here) and `rest` (after the join).  Where no spawn started before the next kill
-    (the waiting spare killed), all of it is `recovery`.  The parts add up to lost_at_own_pace."""
+    `spawn` (the steps from its start to the first commit after MPI_Comm_spawn returned: the others wait for the
+    lowest rank in it), `newcomer_start_up` (from there to the first commit after the join, the join included:
+    the newcomer's start-up takes the training ranks' cores) and `rest`.  Where no spawn started before the next
+    kill (the waiting spare killed), all of it is `recovery`.  The parts add up to lost_at_own_pace."""
     joins = sorted((r["t_spawn"], r["t_spawn"] + r["spawn_s"], r["t"]) for r in respawns
                    if r["status"] == "joined" and r.get("spawn_s") is not None)
     starts = np.array([j[0] for j in joins])
@@ -544,6 +544,9 @@ def lost_at_own_pace_by_part(t: np.ndarray, kills: list[dict[str, Any]], respawn
     for k, at, ex in _own_pace_excess(t, kills):
         i = int(np.searchsorted(starts, k["t"]))
         spawn, back, joined = joins[i] if i < len(joins) and joins[i][0] <= at[-1] else (np.inf,) * 3
+        # The step a spawn (or a join) held commits after it returns.
+        back, joined = (float(at[j]) if (j := int(np.searchsorted(at, x))) < at.size else np.inf
+                        for x in (back, joined))
         parts["recovery"] += float(ex[0] + ex[1:][at[1:] <= spawn].sum())
         parts["spawn"] += float(ex[1:][(at[1:] > spawn) & (at[1:] <= back)].sum())
         parts["newcomer_start_up"] += float(ex[1:][(at[1:] > back) & (at[1:] <= joined)].sum())

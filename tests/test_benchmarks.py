@@ -297,17 +297,18 @@ def test_soak_lost_time_at_its_own_pace_counts_the_gap_across_the_kill() -> None
 
 
 def test_soak_lost_time_at_its_own_pace_by_part_adds_up_and_puts_each_gap_where_it_was() -> None:
-    """Steps 1 s apart; a kill at 9.5 (the step across it 2 s late), a spawn from 13.0 to 14.0 (its step 1 s
-    late), the join at 17.2 (the step before it 0.5 s late), a step 0.25 s late after it; a second kill at 40.5
-    with no spawn before the end: its 3 s gap is all recovery."""
+    """Steps 1 s apart; a kill (the second step after it 2 s late), a spawn that returns inside the step it holds
+    (1 s late: the spawn's, though it commits after the return), a join logged inside the step that commits it
+    (0.5 s late), a step 0.25 s late after it; a second kill with no spawn before the end: its 3 s gap is all
+    recovery."""
     import numpy as np
 
     soak = _soak_module()
     gaps = {11: 2.0, 15: 1.0, 18: 0.5, 22: 0.25, 43: 3.0}   # a step's lateness, by its index
     t = np.cumsum([1.0 + gaps.get(i, 0.0) for i in range(70)])
     kills = [{"t": float(t[9]) + 0.5}, {"t": float(t[40]) + 0.5}]
-    joined = [{"status": "joined", "t_spawn": float(t[13]), "spawn_s": float(t[15] - t[13]),
-               "t": float(t[18]) + 0.01}]
+    joined = [{"status": "joined", "t_spawn": float(t[13]), "spawn_s": float(t[15] - t[13]) - 0.3,
+               "t": float(t[18]) - 0.2}]
     parts = soak.lost_at_own_pace_by_part(t, kills, joined)
     assert parts == pytest.approx({"recovery": 2.5, "spawn": 0.5, "newcomer_start_up": 0.25, "rest": 0.125})
     assert sum(parts.values()) == pytest.approx(soak.lost_at_own_pace(t, kills))
