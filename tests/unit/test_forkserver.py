@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ulfmtrain.membership import forkserver
+from ulfmtrain.membership import forkserver, spawn_shim
 
 pytestmark = pytest.mark.timeout(60)
 SHIM = Path(forkserver.__file__).with_name("spawn_shim.py")
@@ -43,7 +43,11 @@ def with_scripts() -> dict[str, str]:
 
 def start_server(address: str, watched: int, module: str = "ulfmtrain.membership.forkserver", **kw) -> subprocess.Popen:
     """The server as a rank starts it, once it listens (in a job the first spawn comes after a failure)."""
-    proc = subprocess.Popen([sys.executable, "-P", "-m", module, address, str(watched)], **kw)
+    return listening(subprocess.Popen([sys.executable, "-P", "-m", module, address, str(watched)], **kw), address)
+
+
+def listening(proc: subprocess.Popen, address: str) -> subprocess.Popen:
+    """proc, once the server listens at address."""
     end = time.monotonic() + 30
     while time.monotonic() < end:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
@@ -282,3 +286,28 @@ def test_a_fork_starts_with_the_signal_handlers_of_a_rank_that_prrte_execs():
     exec_like = {"SIGINT": "default_int_handler", "SIGTERM": "SIG_DFL", "SIGHUP": "SIG_DFL", "SIGUSR1": "SIG_DFL",
                  "SIGPIPE": "SIG_IGN"}
     assert json.loads(got.stdout)["signals"] == exec_like, got.stdout
+
+
+def test_the_server_and_its_forks_share_the_ranks_session_in_a_process_group_of_their_own(tmp_path, monkeypatch):
+    """A session of its own is a scheduling group of its own under Linux's autogroup (on by default): every
+    newcomer the server forked then shared one core's worth of CPU with the others, beside an original rank
+    that had the other to itself (the 1000-failure soak: three newcomers at 33 % each, the original at 96 %,
+    every step waiting for the newcomers).  Its own process group still keeps it out of a kill of the rank's."""
+    address = str(tmp_path / "server")
+    monkeypatch.setattr(forkserver, "enabled", lambda: True)
+    monkeypatch.setattr(forkserver, "local_rank", lambda: 0)
+    monkeypatch.setattr(forkserver, "address", lambda: address)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in with_scripts().items()      # not the suite's server
+                                        if k not in (spawn_shim.ADDRESS_ENV, spawn_shim.PID_ENV)})
+    proc = forkserver.start()
+    assert proc is not None
+    try:
+        listening(proc, address)
+        assert (os.getsid(proc.pid), os.getpgid(proc.pid)) == (os.getsid(0), proc.pid)
+        child = shim(address, [sys.executable, "-P", "-m", "forked_child", "exit", "0"], timeout=50)
+        said = json.loads(child.stdout)
+        assert child.returncode == 0 and said["forked"] == "1", child
+        assert (said["sid"], said["pgid"]) == (os.getsid(0), said["pid"]), said
+    finally:
+        proc.kill()
+        proc.wait()

@@ -257,3 +257,18 @@ def test_time_is_not_counted_while_this_process_itself_did_not_run():
     w.since = w.last_tick = time.monotonic() - 100
     w.tick()
     assert time.monotonic() - w.since < 1
+
+
+def test_a_hung_ranks_children_are_those_of_its_process_group_not_the_fork_server():
+    """A hung rank SIGKILLs its own children (DataLoader workers) as it leaves.  The fork server it starts now
+    shares its session (one scheduling group under Linux's autogroup) in a process group of its own: picking
+    children by session would have killed the server, and with it every process it forked."""
+    worker = subprocess.Popen(["sleep", "60"])                     # as a DataLoader worker: the rank's group
+    server = subprocess.Popen(["sleep", "60"], process_group=0)    # as forkserver.start() makes it
+    try:
+        mine = boards.children(os.getpid())
+        assert worker.pid in mine and server.pid not in mine, (mine, worker.pid, server.pid)
+    finally:
+        for p in (worker, server):
+            p.kill()
+            p.wait()

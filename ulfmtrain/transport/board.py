@@ -52,13 +52,13 @@ def _stat(pid: int | str) -> list[str] | None:
 
 
 def children(pid: int) -> list[int]:
-    """The child processes of pid in its session (DataLoader workers; not a server it started in a session of its
-    own, such as the fork server)."""
+    """The child processes of pid in its process group (DataLoader workers; not a server it started in a group
+    of its own, such as the fork server, whose death would end every process it forked)."""
     mine = _stat(pid)
     out = []
     for name in os.listdir("/proc"):
         fields = _stat(name) if name.isdigit() else None
-        if fields and mine and int(fields[1]) == pid and fields[3] == mine[3]:
+        if fields and mine and int(fields[1]) == pid and fields[2] == mine[2]:
             out.append(int(name))
     return out
 
