@@ -153,8 +153,9 @@ class Processes:
         session = set(common._session_pids(self.mpirun))
         # The job's fork server watches rank 0's parent (its last argument, a process of the job's session),
         # and its children, the forked newcomers, keep its command line: the server is the one whose parent is
-        # not one.  (Another job's server watches another process; the test suite's, none of this job's.)
-        mark = b"ulfmtrain.membership.forkserver\0@ulfmtrain-forkserver-"
+        # not one.  (Another job's server watches another process; the test suite's, none of this job's.)  It
+        # lives in the job's session: it is no waiting spare.
+        mark = b"\0-m\0ulfmtrain.membership.forkserver\0"
         forks = {p: _ppid(p) for p in self._all() if mark in (c := _cmdline(p))
                  and c.rstrip(b"\0").rsplit(b"\0", 1)[-1].decode(errors="replace") in {str(x) for x in session}}
         server = next((p for p, parent in forks.items() if parent not in forks), None)

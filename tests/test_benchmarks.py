@@ -5,8 +5,10 @@ were right), never how fast anything was.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -337,3 +339,37 @@ def test_bench_stability_trains_each_seed_without_mpi_and_says_where_it_fell(tmp
     assert [e for e, _ in a["accuracy"]] == [1, 3, 4] and a["accuracy"] == b["accuracy"]
     assert a["steps"] == 5 * math.ceil(1437 / 64) and 0.5 < a["final"] <= 1   # digits' 1437 training records
     assert data["headline"]["collapsed"] == 0 and (tmp_path / "stability.png").stat().st_size > 0
+
+
+JOB = """
+import json, os, subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ulfmtrain", "train"])
+server = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.fork() or print(os.getpid(), flush=True); "
+                           "time.sleep(60)", "-m", "ulfmtrain.membership.forkserver",
+                           "/tmp/ulfmtrain-0/forkserver-0123-{host}", str(os.getpid())], stdout=subprocess.PIPE,
+                          process_group=0)
+fork = int(server.stdout.readline())
+print(json.dumps({"rank": rank.pid, "server": server.pid, "fork": fork}), flush=True)
+time.sleep(60)
+"""
+
+
+def test_soak_tells_the_fork_server_from_a_waiting_spare():
+    """The fork server now lives in the job's session, beside the ranks: the driver took it for a waiting spare
+    (its address no longer starts with '@') and SIGKILLed it in a spare episode, so every later newcomer started
+    from scratch; and it never saw the spares the server forked, so no spare was ever killed before."""
+    import json
+
+    job = subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = json.loads(job.stdout.readline())
+        seen = _soak_module().Processes(job.pid).scan({0: pids["rank"]})
+        others = [x["pid"] for x in seen["others"]]
+        assert seen["forkserver"] is not None and seen["forkserver"]["pid"] == pids["server"], seen
+        assert pids["server"] not in others and pids["fork"] in others, (pids, others)
+    finally:
+        os.killpg(job.pid, 9)
+        for p in ("rank", "server", "fork"):
+            with contextlib.suppress(Exception):
+                os.killpg(pids[p], 9)
+        job.wait()
