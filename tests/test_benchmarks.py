@@ -341,6 +341,19 @@ def test_bench_stability_trains_each_seed_without_mpi_and_says_where_it_fell(tmp
     assert data["headline"]["collapsed"] == 0 and (tmp_path / "stability.png").stat().st_size > 0
 
 
+def test_soak_lost_time_near_a_failure_is_judged_against_the_rest_of_its_interval() -> None:
+    """Steps 0.1 s apart; the step across the first kill 0.2 s late and one a second later 0.1 s late: 0.3 s.  In
+    the second interval the pace is 0.11 s (a slower steady state, its own baseline) and the step across the kill
+    0.2 s late: 0.2 s.  A third kill with too few steps after its window is left out."""
+    import numpy as np
+
+    dts = [0.1] * 50 + [0.3] + [0.1] * 9 + [0.2] + [0.1] * 89 + [0.31] + [0.11] * 109
+    t = np.cumsum(dts)
+    kills = [{"t": float(t[49]) + 0.05}, {"t": float(t[149]) + 0.05}, {"t": float(t[-5])}]
+    near = _soak_module().lost_near_failure(t, kills)
+    assert near["s"] == pytest.approx(0.25) and (near["judged"], near["of"]) == (2, 3), near
+
+
 JOB = """
 import json, os, subprocess, sys, time
 rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ulfmtrain", "train"])
