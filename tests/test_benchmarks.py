@@ -354,6 +354,15 @@ def test_soak_lost_time_near_a_failure_is_judged_against_the_rest_of_its_interva
     assert near["s"] == pytest.approx(0.25) and (near["judged"], near["of"]) == (2, 3), near
 
 
+def test_soak_the_last_failures_interval_ends_with_the_goodput_window_not_the_job() -> None:
+    import numpy as np
+
+    t = np.arange(0.0, 100.0, 0.5)
+    tw = _soak_module().while_failing_steps(t, [{"t": 10.0}, {"t": 20.2}], 8.0)
+    assert tw[-1] == 28.0 and np.array_equal(tw, t[t <= 28.2])
+    assert _soak_module().while_failing_steps(t, [], 8.0) is t
+
+
 JOB = """
 import json, os, subprocess, sys, time
 rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ulfmtrain", "train"])
