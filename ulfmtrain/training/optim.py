@@ -57,9 +57,8 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
     Args:
         optimizer: any torch.optim.Optimizer over the model's parameters.
         comm: the communicator (ulfmtrain.connect()).
-        model: the module the parameters belong to: its buffers (batch-norm statistics) are kept identical and
-            are part of the replicated state, and its training forwards begin each step (the random state a
-            replacement receives).  Required where the parameters are a module's (nn.Parameter).
+        model: the module the parameters belong to (required for nn.Parameters): its buffers are kept identical
+            and replicated, its training forwards begin each step (the random state a replacement receives).
         name: its name in the job's state (default: "opt", "opt1", ... in construction order, which every rank
             and every replacement shares because they run the same script).
         seed: at each step's first training forward, seed torch, numpy and random from (seed, this rank's slot,
@@ -96,14 +95,10 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if seed is not None and model is None:
             raise ValueError("DistributedOptimizer(seed=...) seeds each step at the model's forward: pass model=")
-        if model is None and any(isinstance(p, torch.nn.Parameter) for p in self.params):
-            # Horovod's convention (the parameters alone) would leave the buffers and the random state out of the
-            # job's state: replicas with different batch-norm statistics, a replacement with other dropout
-            # masks, and an end check that sees neither.
-            refuse("DistributedOptimizer(optimizer, comm) needs the module its parameters belong to: pass "
-                   "model=model (its buffers, such as batch norm's statistics, and the random state each step "
-                   "begins with are part of the job's state, which a replacement receives and the end check "
-                   "compares)")
+        if model is None and any(isinstance(p, torch.nn.Parameter) for p in self.params):   # Horovod's convention
+            refuse("DistributedOptimizer(optimizer, comm) needs the module its parameters belong to: pass model=model "
+                   "(its buffers and each step's random state are part of the job's state, which a replacement "
+                   "receives and the end check compares)")
         self.buckets = make_buckets(self.params, bucket_bytes, staging)
         bufs = [b for b in model.buffers()] if model is not None else []
         self._buffer_buckets = [BufferBucket(group, floating, staging) for floating in (True, False)
@@ -132,8 +127,7 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
         self.job = JobState.of(comm)
-        # A SpareComm: survivors hand the committed state (buffers as of the last update, not as this
-        # step's forward left them) to the ranks that take dead slots.
+        # A SpareComm: survivors hand over the buffers as of the last update, not as this step's forward left them.
         self._committed_buffers: dict[str, torch.Tensor] | None = None
         if hasattr(comm, "handover"):
             self._keep_committed_buffers()
