@@ -379,7 +379,8 @@ time.sleep(60)
 def test_soak_tells_the_fork_server_from_a_waiting_spare():
     """The fork server now lives in the job's session, beside the ranks: the driver took it for a waiting spare
     (its address no longer starts with '@') and SIGKILLed it in a spare episode, so every later newcomer started
-    from scratch; and it never saw the spares the server forked, so no spare was ever killed before."""
+    from scratch; and it never saw the spares the server forked, so the 1000-failure soaks killed no waiting
+    spare."""
     import json
 
     job = subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE, text=True, start_new_session=True)
