@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -515,19 +516,20 @@ def while_failing_steps(t: np.ndarray, kills: list[dict[str, Any]], interval: fl
     return t[:np.searchsorted(t, kills[-1]["t"] + interval, side="right")]
 
 
-def _own_pace_excess(t: np.ndarray, kills: list[dict[str, Any]]) -> list[tuple[dict, np.ndarray, np.ndarray]]:
-    """For each interval from a kill to the next (the last: to the last step) with 6 steps or more: the kill, the
-    commit time of each step and its time past the mean step of the interval's last third, the step that spans
-    the kill first."""
-    out = []
+def _intervals(t: np.ndarray, kills: list[dict[str, Any]]) -> Iterator[tuple[dict, np.ndarray, np.ndarray]]:
+    """For each interval from a kill to the next (the last: to the last step): the kill, the commit time of each
+    step and its duration, the step that spans the kill first."""
     ends = [k["t"] for k in kills[1:]] + [float(t[-1])]
     for k, end in zip(kills, ends):
         first = max(0, int(np.searchsorted(t, k["t"], side="right")) - 1)     # the last step before the kill
         seg = t[first:np.searchsorted(t, end, side="right")]
-        dt = np.diff(seg)
-        if dt.size >= 6:
-            out.append((k, seg[1:], dt - np.mean(dt[-(dt.size // 3):])))
-    return out
+        yield k, seg[1:], np.diff(seg)
+
+
+def _own_pace_excess(t: np.ndarray, kills: list[dict[str, Any]]) -> list[tuple[dict, np.ndarray, np.ndarray]]:
+    """For each interval with 6 steps or more: the kill, the commit times and each step's time past the mean step
+    of the interval's last third."""
+    return [(k, at, dt - np.mean(dt[-(dt.size // 3):])) for k, at, dt in _intervals(t, kills) if dt.size >= 6]
 
 
 def lost_at_own_pace(t: np.ndarray, kills: list[dict[str, Any]]) -> float:
@@ -552,11 +554,7 @@ def lost_near_failure(t: np.ndarray, kills: list[dict[str, Any]], window_s: floa
     a pace 3 % off there (the slower ends of long intervals) times 700 steps moved it by 0.2 s.  Intervals with
     fewer than 30 steps after the window are left out ("judged" says how many were not)."""
     lost = []
-    ends = [k["t"] for k in kills[1:]] + [float(t[-1])]
-    for k, end in zip(kills, ends):
-        first = max(0, int(np.searchsorted(t, k["t"], side="right")) - 1)     # the last step before the kill
-        seg = t[first:np.searchsorted(t, end, side="right")]
-        dt, at = np.diff(seg), seg[1:]
+    for k, at, dt in _intervals(t, kills):
         near = at <= k["t"] + window_s
         if (~near).sum() >= 30:
             lost.append(float(np.sum(dt[near] - np.mean(dt[~near]))))
