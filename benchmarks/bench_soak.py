@@ -78,7 +78,7 @@ def train_argv(args: argparse.Namespace, data: Path, out: Path, epochs: int) -> 
 
 class TrainingPids:
     """slot -> pid of the process that trains it now (its latest start line), for slots that have not ended; and
-    when the latest respawn started (its spawning line).
+    the latest join (its joined line).
 
     Reads only what the rank logs gained since the last call, and parses only their start, end and respawn
     lines: the logs grow by two lines per rank and step, and parsing them whole before each kill took seconds
@@ -90,7 +90,6 @@ class TrainingPids:
         self.out = out
         self.read: dict[Path, int] = {}                 # bytes consumed, up to the last whole line
         self.latest: dict[int, tuple[int, bool]] = {}   # slot -> (pid of its latest start, ended since)
-        self.t_spawn = 0.0                              # time.time() of the latest spawn's start
         self.joined = (0.0, 0, 0)                       # the latest join: (time, world after it, spares after it)
 
     def __call__(self) -> dict[int, int]:
@@ -106,8 +105,6 @@ class TrainingPids:
                     self.latest[slot] = (json.loads(line)["pid"], False)
                 elif line.startswith(b'{"event": "end"') and slot in self.latest:
                     self.latest[slot] = (self.latest[slot][0], True)
-                elif line.startswith(b'{"event": "respawn"') and b'"spawning"' in line:
-                    self.t_spawn = max(self.t_spawn, json.loads(line)["t_spawn"])
                 elif line.startswith(b'{"event": "respawn"') and b'"joined"' in line:
                     r = json.loads(line)
                     self.joined = max(self.joined, (r["t"], r["size_after"], r["spares"]))
@@ -148,6 +145,10 @@ class Processes:
     def __init__(self, mpirun: int) -> None:
         self.mpirun = mpirun
 
+    def shims(self, session: set[int] | None = None) -> set[int]:
+        """The spawn shims alive (one per newcomer, from its spawn to its end) among the job's processes."""
+        return {p for p in session or common._session_pids(self.mpirun) if b"spawn_shim.py" in _cmdline(p)}
+
     def scan(self, training: dict[int, int]) -> dict[str, Any]:
         """The processes now: mpirun, forkserver (or None), ranks (slot -> sample), others (rank processes that
         do not train: spares, newcomers), shims (spawn shims alive), processes (the job's count)."""
@@ -161,7 +162,7 @@ class Processes:
                  and c.rstrip(b"\0").rsplit(b"\0", 1)[-1].decode(errors="replace") in {str(x) for x in session}}
         server = next((p for p, parent in forks.items() if parent not in forks), None)
         children = {p for p, parent in forks.items() if parent == server}
-        shims = [p for p in session if b"spawn_shim.py" in _cmdline(p)]
+        shims = self.shims(session)
         trainers = set(training.values())
         others = [p for p in (session | children) - trainers - {self.mpirun, *shims}
                   if b"ulfmtrain" in _cmdline(p) and p != server]
@@ -261,17 +262,18 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
                 time.sleep(rng.uniform(0, REPAIR_WINDOW_S))        # inside the detection, repair or hand-over
                 kill(pids[second], episode, "repair", second)
             elif len(kills) < failures and second is not None and draw < args.repair_kills + args.spawn_kills:
-                # Inside the spawn that refills the spare (the lowest rank in MPI_Comm_spawn, the others waiting
-                # in the next reduction): only while it is young, never near the join's merge (a death inside
+                # Inside the spawn that refills the spare: the new spare's, right after its join (it spawns its
+                # successor while it waits), or the lowest rank's at a boundary, the others waiting in the next
+                # reduction (where no spare spawns).  Seen as a new spawn shim, which PRRTE starts inside
+                # MPI_Comm_spawn; only while it is young, never near the join's merge (a death inside
                 # MPI_Intercomm_merge ends the job: a known limit, docs/repair.md).
-                seen = training_pids.t_spawn
+                before, new = procs.shims(), set()
                 deadline = time.monotonic() + 5.0
-                while training_pids.t_spawn <= seen and time.monotonic() < deadline and proc.poll() is None:
-                    time.sleep(0.005)
-                    training_pids()
-                delay = rng.uniform(0, SPAWN_WINDOW_S / 2)
-                if training_pids.t_spawn > seen and time.time() + delay - training_pids.t_spawn < SPAWN_WINDOW_S:
-                    time.sleep(delay)
+                while not new and time.monotonic() < deadline and proc.poll() is None:
+                    time.sleep(0.01)
+                    new = procs.shims() - before
+                if new:
+                    time.sleep(rng.uniform(0, SPAWN_WINDOW_S / 2))
                     now = training_pids()
                     target = _victim(rng, now, args.keep_slot)
                     if target is not None and len(now) >= 2:
@@ -476,35 +478,19 @@ def stalls(t: np.ndarray, kills: list[dict[str, Any]]) -> list[float]:
     return [round(float(g), 3) for g in gaps if g > SLOW_DETECT_MS / 1e3]
 
 
-def _mark(at: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:
-    """A mask of the times in `at` (sorted) that fall in any of the spans (lo, hi], by searchsorted."""
-    diff = np.zeros(at.size + 1, dtype=np.int64)
-    for lo, hi in spans:
-        a, b = np.searchsorted(at, lo, side="right"), np.searchsorted(at, hi, side="right")
-        if b > a:
-            diff[a] += 1
-            diff[b] -= 1
-    return np.cumsum(diff[:-1]) > 0
-
-
 def lost_parts(respawns: list[dict], t: np.ndarray, kills: list[dict[str, Any]],
                ref_step_s: float) -> dict[str, float]:
     """Where the time above the reference's pace went, in seconds per failure: each step's time past the
-    reference's mean step, summed by what the job was doing.  From a kill to the start of the spawn that
-    refills it: detection, repair, hand-over to the spare.  From a spawn's start to its join: a newcomer
-    starting (on one machine its imports take CPU from the training ranks).  The rest: training between
-    failures, on a world whose newcomers talk to the others over TCP.  t: the steps' commit times."""
-    excess, at = np.diff(t) - ref_step_s, t[1:]
-    spawns = sorted({r["t_spawn"] for r in respawns if r["status"] == "spawning"})
-    joined = {r["t_spawn"]: r["t"] for r in sorted(respawns, key=lambda r: -r["t"]) if r["status"] == "joined"}
-    part = np.full(at.size, 2)                        # 0: kill to spawn, 1: spawn to join, 2: the rest
-    part[_mark(at, [(ts, joined.get(ts, ts)) for ts in spawns])] = 1
-    after = np.searchsorted(spawns, [k["t"] for k in kills], side="right")
-    to_spawn = [(k["t"], spawns[i] if i < len(spawns) else k["t"]) for k, i in zip(kills, after)]
-    part[_mark(at, to_spawn) & (part == 2)] = 0
-    n = max(1, len(kills))
-    return {name: float(excess[part == i].sum()) / n
-            for i, name in enumerate(("kill_to_spawn", "newcomer_start_up", "between_failures"))}
+    reference's mean step, by the parts of lost_at_own_pace_by_part (the steps before the first kill: `rest`;
+    the later ones also count a slower steady state, newcomers on TCP).  t: the steps' commit times."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    parts["rest"] = float(np.sum(np.diff(t[:int(np.searchsorted(t, kills[0]["t"])) if kills else t.size]) - ref_step_s))
+    labels = _Parts(respawns)
+    for k, at, dt in _intervals(t, kills):
+        part, ex = labels(k, at), dt - ref_step_s
+        for name in parts:
+            parts[name] += float(ex[part == name].sum())
+    return {name: v / max(1, len(kills)) for name, v in parts.items()}
 
 
 def while_failing_steps(t: np.ndarray, kills: list[dict[str, Any]], interval: float) -> np.ndarray:
@@ -562,27 +548,52 @@ def lost_near_failure(t: np.ndarray, kills: list[dict[str, Any]], window_s: floa
             "window_s": window_s}
 
 
+PARTS = ("recovery", "join", "spawn", "newcomer_start_up", "rest")
+
+
+class _Parts:
+    """Which part each step of an interval after a kill belongs to: `recovery` (the step across the kill and the
+    steps before the refill's join that no other part holds: detection, repair, the hand-over to the spare, the
+    step redone), `join` (the step that holds the join), `spawn` (the steps from a spawn's start to the first
+    commit after MPI_Comm_spawn returned: the training ranks wait for a spawning training rank, or share the
+    cores with a spawning spare), `newcomer_start_up` (from there to the first commit after the newcomer was
+    ready: its start-up takes the training ranks' cores) and `rest`.  Either layout: a training rank spawns after
+    the kill and the newcomer joins later, or the spare spawned its successor before the kill, which joins soon
+    after it (and the new spare spawns the next).  Where no join came before the next kill (the waiting spare
+    killed), recovery runs to it."""
+
+    def __init__(self, respawns: list[dict]) -> None:
+        self.joins = sorted((r["t_spawn"], r["t_spawn"] + r["spawn_s"],
+                             r["t_spawn"] + r.get("ready_s", r["spawn_s"]), r["t"])
+                            for r in respawns if r["status"] == "joined" and r.get("spawn_s") is not None)
+        self.t_join = np.sort([j[3] for j in self.joins])
+
+    def __call__(self, kill: dict[str, Any], at: np.ndarray) -> np.ndarray:
+        def held(x: float) -> float:      # the commit of the step that holds time x (a call returns inside it)
+            j = int(np.searchsorted(at, x))
+            return float(at[j]) if j < at.size else np.inf
+
+        i = int(np.searchsorted(self.t_join, kill["t"], side="right"))
+        joined = held(float(self.t_join[i])) if i < self.t_join.size else np.inf
+        spawn, start_up = np.zeros(at.size, bool), np.zeros(at.size, bool)
+        for t_spawn, back, ready, _ in self.joins:
+            if at.size and t_spawn <= at[-1] and ready >= at[0] - 60.0:
+                spawn |= (at >= t_spawn) & (at <= held(back))
+                start_up |= (at > held(back)) & (at <= held(ready))
+        part = np.where(at == joined, "join", np.where(spawn, "spawn", np.where(
+            start_up, "newcomer_start_up", np.where(at < joined, "recovery", "rest"))))
+        part[:1] = "recovery"
+        return part
+
+
 def lost_at_own_pace_by_part(t: np.ndarray, kills: list[dict[str, Any]], respawns: list[dict]) -> dict[str, float]:
-    """lost_at_own_pace split by what the job was doing, per failure: `recovery` (the step across the kill and
-    those before the refill's spawn: detection, repair, the hand-over to the spare, the step redone),
-    `spawn` (the steps from its start to the first commit after MPI_Comm_spawn returned: the others wait for the
-    lowest rank in it), `newcomer_start_up` (from there to the first commit after the join, the join included:
-    the newcomer's start-up takes the training ranks' cores) and `rest`.  Where no spawn started before the next
-    kill (the waiting spare killed), all of it is `recovery`.  The parts add up to lost_at_own_pace."""
-    joins = sorted((r["t_spawn"], r["t_spawn"] + r["spawn_s"], r["t"]) for r in respawns
-                   if r["status"] == "joined" and r.get("spawn_s") is not None)
-    starts = np.array([j[0] for j in joins])
-    parts = dict.fromkeys(("recovery", "spawn", "newcomer_start_up", "rest"), 0.0)
+    """lost_at_own_pace split by what the job was doing, per failure (the parts: _Parts).  They add up to it."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    labels = _Parts(respawns)
     for k, at, ex in _own_pace_excess(t, kills):
-        i = int(np.searchsorted(starts, k["t"]))
-        spawn, back, joined = joins[i] if i < len(joins) and joins[i][0] <= at[-1] else (np.inf,) * 3
-        # The step a spawn (or a join) held commits after it returns.
-        back, joined = (float(at[j]) if (j := int(np.searchsorted(at, x))) < at.size else np.inf
-                        for x in (back, joined))
-        parts["recovery"] += float(ex[0] + ex[1:][at[1:] <= spawn].sum())
-        parts["spawn"] += float(ex[1:][(at[1:] > spawn) & (at[1:] <= back)].sum())
-        parts["newcomer_start_up"] += float(ex[1:][(at[1:] > back) & (at[1:] <= joined)].sum())
-        parts["rest"] += float(ex[1:][at[1:] > joined].sum())
+        part = labels(k, at)
+        for name in parts:
+            parts[name] += float(ex[part == name].sum())
     return {name: v / max(1, len(kills)) for name, v in parts.items()}
 
 

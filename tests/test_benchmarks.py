@@ -298,21 +298,28 @@ def test_soak_lost_time_at_its_own_pace_counts_the_gap_across_the_kill() -> None
     assert _soak_module().lost_at_own_pace(t, [{"t": 19.5}]) == pytest.approx(2.0)
 
 
-def test_soak_lost_time_at_its_own_pace_by_part_adds_up_and_puts_each_gap_where_it_was() -> None:
-    """Steps 1 s apart; a kill (the second step after it 2 s late), a spawn that returns inside the step it holds
-    (1 s late: the spawn's, though it commits after the return), a join logged inside the step that commits it
-    (0.5 s late), a step 0.25 s late after it; a second kill with no spawn before the end: its 3 s gap is all
-    recovery."""
+@pytest.mark.parametrize("layout", ["spare spawns", "training rank spawns"])
+def test_soak_lost_time_at_its_own_pace_by_part_adds_up_and_puts_each_gap_where_it_was(layout: str) -> None:
+    """Steps 1 s apart; a kill (the second step after it 2 s late: recovery), a join logged inside the step that
+    commits it (0.5 s late), a spawn that returns inside the step it holds (1 s late), a newcomer ready inside the
+    second step after that (0.75 s late: its start-up), a step 0.25 s late after them all; a second kill with no
+    join before the next step 3 s late: recovery.  Either layout: the spare spawned its successor before the kill
+    and a new spare spawns after the join, or a training rank spawns after the kill and the newcomer joins after
+    its start-up."""
     import numpy as np
 
     soak = _soak_module()
-    gaps = {11: 2.0, 15: 1.0, 18: 0.5, 22: 0.25, 43: 3.0}   # a step's lateness, by its index
+    joined_at = 12 if layout == "spare spawns" else 18
+    gaps = {11: 2.0, joined_at: 0.5, 15: 1.0, 17: 0.75, 22: 0.25, 43: 3.0}   # a step's lateness, by its index
     t = np.cumsum([1.0 + gaps.get(i, 0.0) for i in range(70)])
     kills = [{"t": float(t[9]) + 0.5}, {"t": float(t[40]) + 0.5}]
-    joined = [{"status": "joined", "t_spawn": float(t[13]), "spawn_s": float(t[15] - t[13]) - 0.3,
-               "t": float(t[18]) - 0.2}]
-    parts = soak.lost_at_own_pace_by_part(t, kills, joined)
-    assert parts == pytest.approx({"recovery": 2.5, "spawn": 0.5, "newcomer_start_up": 0.25, "rest": 0.125})
+    spawn = {"t_spawn": float(t[13]), "spawn_s": float(t[15] - t[13]) - 0.3, "ready_s": float(t[17] - t[13]) - 0.2}
+    joins = ([{"status": "joined", "t_spawn": 1.0, "spawn_s": 0.1, "ready_s": 0.2, "t": float(t[12]) - 0.2},
+              {"status": "joined", **spawn, "t": float(t[50]) + 0.5}] if layout == "spare spawns"
+             else [{"status": "joined", **spawn, "t": float(t[18]) - 0.2}])
+    parts = soak.lost_at_own_pace_by_part(t, kills, joins)
+    assert parts == pytest.approx({"recovery": 2.5, "join": 0.25, "spawn": 0.5, "newcomer_start_up": 0.375,
+                                   "rest": 0.125})
     assert sum(parts.values()) == pytest.approx(soak.lost_at_own_pace(t, kills))
 
 

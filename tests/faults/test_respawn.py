@@ -66,7 +66,8 @@ def test_a_respawned_process_takes_the_empty_slot_while_the_survivors_train(mpi,
 @pytest.mark.long          # about a minute: two runs of 40 epochs
 @pytest.mark.timeout(3 * BOUND_S)
 def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_dir, tmp_path):
-    """The spare takes slot 1; a respawned process becomes the new spare and takes slot 2: no shrink at all."""
+    """The spare takes slot 1; a respawned process becomes the new spare and takes slot 2: no shrink at all.  Each
+    spare spawned its successor while it waited: no training rank spawned (none waited in MPI_Comm_spawn)."""
     free, _, _ = train(mpi, digits_dir, tmp_path / "free", 3, 1, 40)
     end, logs, _ = train(mpi, digits_dir, tmp_path / "killed", 3, 1, 40, "1@20", "2@1000")
     joined = respawns(logs, 0, "joined")[0]           # (another refill may join after the second takeover)
@@ -75,6 +76,7 @@ def test_respawn_refills_the_spare_and_the_run_ends_bit_identical(mpi, digits_di
     assert set(end["world_history"]) == {3} and len(end["world_history"]) >= 4, end
     assert [list(r["replaced"]) for r in select(logs[0], "recovery")] == [["1"], ["2"]]
     assert end["checksum"] == free["checksum"]
+    assert respawns(logs, 0, "spawning") == [] and respawns(logs, 1, "spawning"), logs[1]
 
 
 @pytest.mark.timeout(2 * BOUND_S)
@@ -98,16 +100,75 @@ def test_checkpoints_go_on_after_a_newcomer_or_a_spare_takes_a_slot(mpi, digits_
 
 @pytest.mark.timeout(2 * BOUND_S)
 def test_more_failures_than_spares_spares_first_then_shrink_then_respawn(mpi, digits_dir, tmp_path):
-    """The spare takes slot 1 at step 15; the refill of the spare starts at step 16's boundary, and slot 2 dies in
-    step 17, before any boundary could join it (at step 25 it had joined once in CI, 0.2 s later, and took slot 2
-    as a spare: no shrink); the world shrinks, and the refill, still in flight, takes slot 2 when it joins."""
+    """The spare spawned its successor while it waited.  It takes slot 1 at step 15; its successor is ready, and
+    the join it leads is due at step 17's start, where slot 2 dies: the world shrinks (that join fails first, when
+    slot 2 died inside it: either way the successor is kept), and the successor takes slot 2 when it joins.  The
+    training ranks spawned nothing for it.  (Before the spare spawned, slot 0 spawned the refill at step 16's
+    boundary, and every training rank waited for that spawn.)"""
     end, logs, _ = train(mpi, digits_dir, tmp_path, 3, 1, 15, "1@15", "2@17")
     assert end["world_history"][:3] == [3, 3, 2] and end["world_history"][-1] == 3, end
     first, second = select(logs[0], "recovery")[:2]
     assert list(first["replaced"]) == ["1"] and second["removed"] == [2]
-    spawning, joined = respawns(logs, 0, "spawning")[0], respawns(logs, 0, "joined")[0]
-    assert spawning["slots"] == [] and spawning["t"] < second["t"] < joined["t"], (spawning, second, joined)
-    assert joined["slots"] == [2] and joined["size_after"] == 3, joined
+    # The spare's own record (it logs it once it trains: slot 1's log).
+    spawning, joined = respawns(logs, 1, "spawning")[0], respawns(logs, 0, "joined")[0]
+    assert spawning["slots"] == [] and spawning["t_spawn"] < first["wall_error"], (spawning, first)
+    assert joined["slots"] == [2] and joined["size_after"] == 3 and joined["t_spawn"] == spawning["t_spawn"], joined
+    assert all(r["t"] > joined["t"] for r in respawns(logs, 0, "spawning")), respawns(logs, 0, "spawning")
+
+
+def _kill_a_fork(nth: int, after_s: float, killed: list[float]) -> None:
+    """SIGKILL the nth process (from 0) forked by a fork server from now on, `after_s` seconds after it appeared (the
+    suite's warm server forks the ranks too: warm_ranks; forks keep the server's command line); the kill's time
+    goes to `killed`."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    def forks() -> set[int]:
+        found = {}
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and b"ulfmtrain.membership.forkserver" in (d / "cmdline").read_bytes():
+                    found[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+        return {p for p, parent in found.items() if parent in found}
+
+    before, seen, deadline = forks(), [], time.monotonic() + 60
+    while time.monotonic() < deadline:
+        seen += sorted(forks() - before - set(seen))
+        if len(seen) > nth:
+            time.sleep(after_s)
+            os.kill(seen[nth], signal.SIGKILL)
+            killed.append(time.time())
+            return
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_spares_successor_killed_while_it_waits_fails_its_join_alike_and_is_spawned_again(mpi, digits_dir,
+                                                                                            tmp_path):
+    """The spare's successor, spawned while the spare waits, is SIGKILLed from outside once it waits merged with
+    the spare; then slot 1 dies, and the spare takes it and leads the successor's join.  The dead successor does
+    not answer: the join fails alike everywhere, and a training rank spawns the missing spare.  (Every survivor
+    waited in MPI_Intercomm_create for good: a soak stalled there until a kill of the spare ended it.)"""
+    import threading
+
+    killed: list[float] = []
+    killer = threading.Thread(target=_kill_a_fork, args=(4, 1.0, killed))     # the fifth: after 3 slots and the spare
+    killer.start()
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 3, 1, 60, "1@500")      # LEAVE_S after it: a spawn
+    killer.join()
+    (kill,) = [k for k in select(logs[1], "kill")]
+    assert killed and killed[0] < kill["t"], (killed, kill)       # the successor died first
+    assert list(select(logs[0], "recovery")[0]["replaced"]) == ["1"]
+    failed = respawns(logs, 0, "failed")
+    assert failed and failed[0]["reason"] == "a process failed during the join" and failed[0]["t"] > kill["t"]
+    joined = respawns(logs, 0, "joined")
+    assert joined and joined[-1]["spares"] == 1 and joined[-1]["t"] > failed[0]["t"], joined
+    assert respawns(logs, 0, "spawning"), "a training rank spawned the missing spare"
+    assert set(end["world_history"]) == {3}, end
 
 
 @pytest.mark.long          # about a minute: two spawns one after the other

@@ -24,12 +24,14 @@ no rollback.  Only the owner's death loses a batch (its newcomers leave, and
 the next lowest survivor spawns again); a spawn or a join that fails leaves the
 world at its size, is reported to the listeners, and is tried again LEAVE_S
 later, up to SPAWN_RETRIES times in a row, then after the next failure.
+
+With one spare, the waiting spare spawns its own successor while it waits and
+owns that batch: when the spare takes a slot, its bits say the newcomer is
+ready, it leads the join, and the training ranks never wait in MPI_Comm_spawn.
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -40,13 +42,13 @@ from mpi4py import MPI
 
 from .. import _ftcoll
 from ..core.modes import Phase
-from ..transport import exits, faults
+from ..transport import faults
 from ..transport.collectives import EXCHANGE_FAILED
-from ..transport.comm import _fault_tolerant_dup, agree_all_ok, require_fault_tolerance, retire
-from ..transport.stall import Watchdog, die_told
-from . import forkserver
+from ..transport.comm import _fault_tolerant_dup, agree_all_ok, retire
+from ..transport.stall import die_told
+from . import forkserver, newcomer
 from .reinit import _watchdog
-from .respawn_batch import JOIN, TAG, Batch, wait
+from .respawn_batch import ANSWER_S, JOIN, TAG, Batch, answered
 from .spares import SpareComm
 
 if TYPE_CHECKING:
@@ -85,6 +87,7 @@ class RespawnComm(SpareComm):
         self._batch_seen = False           # a batch existed at the last boundary
         self._repaired = False             # a repair happened in the transaction in flight
         self._join_listeners: list[JoinListener] = []
+        self._unheard: list[dict[str, Any]] = []    # a waiting spare's records, logged once it trains (attach)
         # Called at the boundary that decides a join (the trainer: a durable checkpoint after that step's update,
         # before the join at the next step's start), so a job that a death inside the merge ends redoes no step.
         self.before_join: Callable[[], None] | None = None
@@ -96,7 +99,7 @@ class RespawnComm(SpareComm):
             super().__init__(spares)
         else:
             try:
-                self._join_as_newcomer(parent, fail_before_ready)
+                newcomer.join(self, parent, fail_before_ready)
             except Exception:
                 # Gone at once, by a signal: Open MPI tells a peer connected to it of that (not of an exit),
                 # and MPI_Finalize could wait for peers that will never come.  A spawning rank that never
@@ -108,9 +111,14 @@ class RespawnComm(SpareComm):
     def add_join_listener(self, fn: JoinListener) -> None:
         """Call fn(record) when a spawn starts, joins (after the new communicator, before the handover) or fails."""
         self._join_listeners.append(fn)
+        for rec in self._unheard:
+            fn(rec)
+        self._unheard.clear()
 
     def _notify(self, status: str, slots: list[int], **fields: Any) -> None:
         rec = {"status": status, "slots": slots, "step": self.step, "world": self.size, **fields}
+        if not self._join_listeners:
+            self._unheard.append(rec)
         for fn in self._join_listeners:
             fn(rec)
 
@@ -130,7 +138,9 @@ class RespawnComm(SpareComm):
 
     def transaction(self, attempt: Any, commit: Any = None, *, what: str = "step",
                     before_agree: Any = None) -> Any:
-        self._repaired = False
+        # A spare that took its slot in this transaction's repair enters at the survivors' redo (its first
+        # attempt is theirs, not 0): it skips this boundary as they do (it ran one alone, and waited there for good).
+        self._repaired = self._next_attempt > 0
         result = super().transaction(attempt, commit, what=what, before_agree=before_agree)
         # After a repair, or a commit agree that met a process failure (the repair is due in the next
         # transaction), the agreed bits may include a rank that is now dead, and a 100-failure soak saw them
@@ -218,17 +228,34 @@ class RespawnComm(SpareComm):
     def _join(self, s: Batch | None) -> None:
         """Every training rank (s: the batch on its owner, None elsewhere): one ready newcomer joins the world."""
         t0 = time.perf_counter()
-        ok, inter, world, info, held, pool = 1, None, None, {}, [], None
+        ok, inter, world, info, held, pool, lead = 1, None, None, {}, [], None, 0
         times: dict[str, float] = {}
         try:
-            # The leader's peer is its pool (the newcomer is rank 1 of it); elsewhere it is not read.
-            peer = self.world
+            # The owner leads: world rank 0, or the spare that spawned its successor while it waited.
+            n = self.world.Get_size()
+            owner = np.array([self.world.Get_rank() if s is not None else n], dtype=np.int64)
+            self.world.Allreduce(MPI.IN_PLACE, owner, op=MPI.MIN)
+            lead = int(owner[0])
+            if lead == n:
+                raise MPI.Exception(MPI.ERR_OTHER)     # (not reached: the owner's bits decided this join)
+            s = s if self.world.Get_rank() == lead else None
             if s is not None:
                 pool, times = s.pop()
-                peer = pool
-                pool.Ibcast(np.array([JOIN, 0], dtype=np.int64), root=0).Wait()   # the newcomer waits in Ibcast
-            inter = self.world.Create_intercomm(0, peer, 1, TAG)    # returns an error when a member dies
+                # The newcomer waits in Ibcast; it learns the leader's rank in the joined world here, and answers.
+                # One that died while it waited (a spare's successor waits for minutes) left every survivor in
+                # MPI_Intercomm_create for good (Open MPI did not return: a soak stalled until a kill): no
+                # answer within ANSWER_S fails the join, alike everywhere (the agree below).
+                pool.Ibcast(np.array([JOIN, lead], dtype=np.int64), root=0).Wait()
+                ok = int(answered(pool.Irecv(np.zeros(1, dtype=np.int64), source=1, tag=TAG), ANSWER_S))
         except MPI.Exception:
+            ok = 0
+        if agree_all_ok(self.world, bool(ok)):
+            try:
+                # The leader's peer is its pool (the newcomer is rank 1 of it); elsewhere it is not read.
+                inter = self.world.Create_intercomm(lead, self.world if pool is None else pool, 1, TAG)
+            except MPI.Exception:   # returns an error when a member dies
+                ok = 0
+        else:
             ok = 0
         faults.point(self.step, Phase.JOIN)
         # Open MPI 5.0.x's MPI_Intercomm_merge never returns when a member is dead (its context-id allocation
@@ -259,7 +286,7 @@ class RespawnComm(SpareComm):
             try:
                 info = world.bcast({"slots": self.slots, "history": self.world_history, "placement": self.placement,
                                     **times} if s
-                                   else None, root=0)
+                                   else None, root=lead)
                 held = world.allgather(self.slot)
                 faults.point(self.step, Phase.SPLIT)
                 claim = self._claim(world, held)
@@ -317,6 +344,37 @@ class RespawnComm(SpareComm):
         self.spares_left = len(newcomers) - len(taken)
         return {"taken": taken, "spares": self.spares_left}
 
+    # -- a waiting spare --------------------------------------------------------
+    def _while_waiting(self) -> None:
+        """The one waiting spare of --spares 1: spawn its successor and merge with it once it is ready, so that
+        when this spare takes a slot the newcomer that refills the pool is there, and the training ranks never
+        wait in MPI_Comm_spawn (0.1 s per failure here: the largest part of a failure's cost in the soak).  With
+        more spares the training ranks refill them: a waiting spare's batch is not in their commit agree."""
+        if self.spares_target != 1 or self.spares_left != 1:
+            return
+        s = self._spawn
+        if s is None:
+            if time.time() < self._spawn_after:
+                return
+            s = self._spawn = Batch(self.command + faults.newcomer_args(self.step), 1, [])
+            self._notify("spawning", [], count=1, t_spawn=s.t_start)
+        s.poll(self.step)
+        if s.done():             # it failed: again LEAVE_S later, SPAWN_RETRIES times; then the training ranks
+            self._spawn = None
+            self._notify("failed", [], reason="; ".join(s.errors) or "MPI_Comm_spawn failed", **s.times())
+            self._retries += 1
+            self._spawn_after = time.time() + (LEAVE_S if self._retries <= SPAWN_RETRIES else math.inf)
+
+    def wait_for_slot(self) -> bool:
+        """SpareComm's; when training ends without this spare, its successor is sent away."""
+        if super().wait_for_slot():
+            return True
+        s, self._spawn = self._spawn, None
+        if s is not None:
+            s.dismiss(self.step)
+            self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
+        return False
+
     def close(self) -> None:
         """Training ranks, at the end: send a batch in flight or waiting away, then release the spares."""
         s, self._spawn = self._spawn, None
@@ -325,71 +383,6 @@ class RespawnComm(SpareComm):
             s.dismiss(self.step, alone=self.size == 1)
             self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
         self.release_spares()
-
-    # -- a newcomer -------------------------------------------------------------
-    def _join_as_newcomer(self, parent: MPI.Intercomm, fail_before_ready: bool = False) -> None:
-        """Get ready, merge with the spawning rank, wait (test-and-sleep) for the join, and take part in it."""
-        require_fault_tolerance()
-        exits.arm_at_exit()
-        t_start = time.time()
-        timer = _watchdog("joining the survivors", "the survivors train on without this process", survived=True)
-        for module in forkserver.PRELOAD:     # torch's first optimizer imports torch._dynamo (2 s here)
-            importlib.import_module(module)
-        if fail_before_ready:
-            raise RuntimeError("the kill schedule's `newcomer` phase: this respawned process fails before it is ready")
-        self.slot, self.handover, self.pending_handover, self.takeover = None, None, False, None
-        code = np.zeros(2, dtype=np.int64)
-        try:
-            parent.Set_errhandler(MPI.ERRORS_RETURN)
-            t_ready = time.time()
-            wait(parent.Isend(np.array([os.getpid()], dtype=np.int64), dest=0, tag=TAG))
-            pool = MPI.Intracomm(parent.Merge(high=True))
-            pool.Set_errhandler(MPI.ERRORS_RETURN)
-            timer.close()         # ready: waiting in the pool for a failure may take any time
-            wait(pool.Ibcast(code, root=0))
-            if code[0] != JOIN:
-                raise self._leave(None, "")
-            timer = _watchdog("joining the survivors", "the survivors train on without this process",
-                              why="a process died inside the join, and Open MPI 5.0.x does not return from that",
-                              survived=True)
-            MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
-            inter = MPI.COMM_WORLD.Create_intercomm(0, pool, 0, TAG)
-            merged = MPI.Intracomm(inter.Merge(high=True))
-            world = _fault_tolerant_dup(merged)
-            retire(merged)
-            claim = None
-            try:
-                info = world.bcast(None, root=0)
-                held = world.allgather(None)
-                self.slots, self.placement = info["slots"], info["placement"]    # the slots' GPUs (device.py)
-                claim = self._claim(world, held)
-            except EXCHANGE_FAILED:
-                pass
-            if not agree_all_ok(world, claim is not None) or claim is None:     # as the survivors decide it
-                raise self._leave(timer, "a process failed during the join")
-        except MPI.Exception as exc:
-            raise self._leave(timer, f"the survivors went away ({exc.Get_error_string()})") from None
-        self._setup(MPI.Intracomm(MPI.COMM_NULL), -1, [])
-        self._take_world(world, held, claim)
-        timer.close()
-        self.world_history = info["history"] + [self.size]
-        if self.slot is not None:
-            self.takeover = {"slot": self.slot, "startup": False, "root": 0}
-        self.joined = {"status": "newcomer", "slots": [] if self.slot is None else [self.slot],
-                       "t_start": t_start, "ready_s": t_ready - t_start, "t_joined": time.time(),
-                       "world": self.size, "forked": os.environ.get(forkserver.FORKED_ENV) == "1"}
-
-    @staticmethod
-    def _leave(timer: Watchdog | None, why: str) -> SystemExit:
-        """A newcomer that is not needed exits (0) as the ranks do (exits.py): without MPI_Finalize under ULFM,
-        which can wait for good after a failure (its bounded form then made mpirun's status 124: seed 155)."""
-        if timer is not None:
-            timer.close()
-        if why:
-            print(f"ulfmtrain: warning: a respawned process leaves: {why}; the survivors train on",
-                  file=sys.stderr, flush=True)
-        return SystemExit(exits.finalize(5.0, 0))
-
 
 def attach(trainer: Trainer) -> None:
     """Rebalance `trainer`'s data at every join and log every respawn record in its event log."""

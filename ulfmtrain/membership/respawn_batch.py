@@ -1,4 +1,5 @@
-"""A batch of respawned processes (respawn.py): spawned by their owner at a step boundary, merged when ready."""
+"""A batch of respawned processes (respawn.py): spawned by their owner (the lowest training rank at a step boundary,
+or the one waiting spare while it waits), merged when ready."""
 from __future__ import annotations
 
 import time
@@ -16,14 +17,29 @@ END, JOIN = 0, 1            # what the spawning rank tells its waiting batch: go
 TAG = 1711                  # of the intercommunicator between the survivors and a batch
 
 
+ANSWER_S = 2.0              # a ready newcomer answers JOIN within this (it tests every WAIT_POLL_S), or is dead
+
+
 def wait(req: MPI.Request) -> None:
     """Complete a request by test-and-sleep: a background wait must not take a core from training."""
     while not req.Test():
         time.sleep(WAIT_POLL_S)
 
 
+def answered(req: MPI.Request, within: float) -> bool:
+    """Complete a request by test-and-sleep within `within` seconds; False (and cancelled) if it did not."""
+    deadline = time.monotonic() + within
+    while not req.Test():
+        if time.monotonic() > deadline:
+            req.Cancel()
+            return False
+        time.sleep(WAIT_POLL_S / 5)
+    return True
+
+
 class Batch:
-    """`count` newcomers spawned by their owner at a step boundary, one MPI job each, merged when ready.
+    """`count` newcomers spawned by their owner (at a step boundary, or a spare while it waits), one MPI job each,
+    merged when ready.
 
     One job each: PRRTE ends every process of a spawned job when one of them dies (a spawned job is not
     started recoverable), so a batch spawned as one job would lose every newcomer to one kill.  Everything

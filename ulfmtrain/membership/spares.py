@@ -304,6 +304,7 @@ class SpareComm(FaultTolerantComm):
             try:
                 req = self.world.Ibarrier()
                 while not req.Test():
+                    self._while_waiting()
                     time.sleep(WAIT_POLL_S)
                 return False                  # every training rank joined: training ended
             except MPI.Exception:
@@ -319,6 +320,9 @@ class SpareComm(FaultTolerantComm):
                         # clear it in _repair).  A stale entry would make it a receiver in a later repair.
                         self.receivers.clear()
         return True
+
+    def _while_waiting(self) -> None:
+        """A waiting spare, between two tests of its barrier (respawn: spawn its successor)."""
 
     def release_spares(self) -> None:
         """Training ranks, at the end: join the barrier the waiting spares test, so they can leave."""
