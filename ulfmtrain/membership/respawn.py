@@ -87,7 +87,7 @@ class RespawnComm(SpareComm):
         self._batch_seen = False           # a batch existed at the last boundary
         self._repaired = False             # a repair happened in the transaction in flight
         self._join_listeners: list[JoinListener] = []
-        self._unheard: list[dict[str, Any]] = []    # a waiting spare's records, logged once it trains (attach)
+        self._unheard: list[dict[str, Any]] = []    # a waiting spare's records: attach logs them once it trains
         # Called at the boundary that decides a join (the trainer: a durable checkpoint after that step's update,
         # before the join at the next step's start), so a job that a death inside the merge ends redoes no step.
         self.before_join: Callable[[], None] | None = None
@@ -111,13 +111,10 @@ class RespawnComm(SpareComm):
     def add_join_listener(self, fn: JoinListener) -> None:
         """Call fn(record) when a spawn starts, joins (after the new communicator, before the handover) or fails."""
         self._join_listeners.append(fn)
-        for rec in self._unheard:
-            fn(rec)
-        self._unheard.clear()
 
     def _notify(self, status: str, slots: list[int], **fields: Any) -> None:
         rec = {"status": status, "slots": slots, "step": self.step, "world": self.size, **fields}
-        if not self._join_listeners:
+        if self.slot is None:
             self._unheard.append(rec)
         for fn in self._join_listeners:
             fn(rec)
@@ -196,7 +193,8 @@ class RespawnComm(SpareComm):
         if self._batch_seen:                             # gone without a join: its owner died
             self._batch_seen = False
             self._notify("failed", [], reason="the spawning rank failed")
-        empty = self._empty()
+        # (Not the vacant slots a waiting spare takes at the next step: a spawn for one made two owners.)
+        empty = sorted(set(self._empty()) - self._vacant)
         count = len(empty) + self.spares_target - self.spares_left
         # World rank 0, the lowest survivor, spawns alone: it leads the join (waiting spares rank last).
         if self._spawn_wanted and count > 0 and self.world.Get_rank() == 0 and time.time() >= self._spawn_after:
@@ -368,6 +366,8 @@ class RespawnComm(SpareComm):
     def wait_for_slot(self) -> bool:
         """SpareComm's; when training ends without this spare, its successor is sent away."""
         if super().wait_for_slot():
+            # A training rank now, refilling as the others do after a repair (they reset this in _repair).
+            self._spawn_wanted, self._retries, self._spawn_after = True, 0, min(self._spawn_after, time.time())
             return True
         s, self._spawn = self._spawn, None
         if s is not None:
@@ -402,6 +402,9 @@ def attach(trainer: Trainer) -> None:
         trainer.log(Event.RESPAWN, **rec)
 
     comm.add_join_listener(on_record)
+    for rec in comm._unheard:           # (logged here only: the data's listeners act on the records they hear)
+        trainer.log(Event.RESPAWN, **rec)
+    comm._unheard.clear()
     if trainer.checkpointer is not None:
         comm.before_join = trainer.checkpointer.request
     if comm.joined:

@@ -32,7 +32,9 @@ def answered(req: MPI.Request, within: float) -> bool:
     while not req.Test():
         if time.monotonic() > deadline:
             req.Cancel()
-            return False
+            status = MPI.Status()
+            req.Wait(status)        # (frees it; a message that came meanwhile is not cancelled)
+            return not status.Is_cancelled()
         time.sleep(WAIT_POLL_S / 5)
     return True
 
