@@ -286,6 +286,24 @@ def test_a_death_inside_the_merge_ends_the_job_and_supervise_resumes_from_the_ch
 
 
 @pytest.mark.timeout(2 * BOUND_S)
+def test_a_slot_left_vacant_by_a_scripts_collective_is_the_spares_not_a_spawns(mpi, tmp_path):
+    """A user's loop with respawn and one spare (spare_loop.py respawn-spare, the reduction in step()): slot 1
+    dies inside the loop's own comm.allreduce, between backward and the step.  That repair leaves slot 1 vacant;
+    the spare takes it when the step starts its reduction (at_step_start), before the step's boundary, where a
+    vacant slot counted as empty would have made slot 0 spawn beside the spare's own successor (two owners of a
+    batch; a review asked, and boundaries no longer count vacant slots).  The spare's successor joins, and no
+    training rank ever spawns."""
+    mpi.script(4, mpi.root / "tests" / "scripts" / "spare_loop.py", [str(tmp_path), "respawn-spare", "1@30"],
+               timeout=BOUND_S)
+    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(got) == [0, 1, 2] and got[1]["joined"] and not got[0]["joined"], got
+    # (2 while slot 1 was vacant: never removed.)
+    assert len({g["checksum"] for g in got.values()}) == 1 and got[0]["history"][:3] == [3, 2, 3], got
+    assert got[0]["history"][-1] == 3 and not any(got[0]["removed"]), got
+    assert "joined" in got[0]["records"] and "spawning" not in got[0]["records"], got[0]["records"]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
 def test_respawn_in_a_loop_of_your_own(mpi, tmp_path):
     """A user's loop (tests/scripts/spare_loop.py respawn, 3 ranks, 20 epochs): the newcomer runs the program
     again; distributed_sampler rebalances at the join and scale_lr follows the world down and back up."""

@@ -193,7 +193,7 @@ class RespawnComm(SpareComm):
         if self._batch_seen:                             # gone without a join: its owner died
             self._batch_seen = False
             self._notify("failed", [], reason="the spawning rank failed")
-        # (Not the vacant slots a waiting spare takes at the next step: a spawn for one made two owners.)
+        # (Not the vacant slots a waiting spare takes at the next step: a spawn for one would make two owners.)
         empty = sorted(set(self._empty()) - self._vacant)
         count = len(empty) + self.spares_target - self.spares_left
         # World rank 0, the lowest survivor, spawns alone: it leads the join (waiting spares rank last).
