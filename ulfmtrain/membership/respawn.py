@@ -48,8 +48,8 @@ from ..transport.comm import _fault_tolerant_dup, agree_all_ok, retire
 from ..transport.stall import die_told
 from . import forkserver, newcomer
 from .reinit import _watchdog
-from .respawn_batch import ANSWER_S, JOIN, TAG, Batch, answered
-from .spares import SpareComm
+from .respawn_batch import ANSWER_S, JOIN, TAG, Batch, wait
+from .spares import WAIT_POLL_S, SpareComm
 
 if TYPE_CHECKING:
     from ..training.trainer import Trainer
@@ -244,7 +244,8 @@ class RespawnComm(SpareComm):
                 # MPI_Intercomm_create for good (Open MPI did not return: a soak stalled until a kill): no
                 # answer within ANSWER_S fails the join, alike everywhere (the agree below).
                 pool.Ibcast(np.array([JOIN, lead], dtype=np.int64), root=0).Wait()
-                ok = int(answered(pool.Irecv(np.zeros(1, dtype=np.int64), source=1, tag=TAG), ANSWER_S))
+                ok = int(wait(pool.Irecv(np.zeros(1, dtype=np.int64), source=1, tag=TAG), ANSWER_S,
+                              poll=WAIT_POLL_S / 5))     # (every training rank waits for it)
         except MPI.Exception:
             ok = 0
         if agree_all_ok(self.world, bool(ok)):
@@ -369,20 +370,21 @@ class RespawnComm(SpareComm):
             # A training rank now, refilling as the others do after a repair (they reset this in _repair).
             self._spawn_wanted, self._retries, self._spawn_after = True, 0, min(self._spawn_after, time.time())
             return True
-        s, self._spawn = self._spawn, None
-        if s is not None:
-            s.dismiss(self.step)
-            self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
+        self._dismiss(alone=False)
         return False
 
     def close(self) -> None:
         """Training ranks, at the end: send a batch in flight or waiting away, then release the spares."""
-        s, self._spawn = self._spawn, None
-        if s is not None and self.slot is not None:
-            # Bounded: a spawn that never completes is left to the newcomers' own watchdog.
-            s.dismiss(self.step, alone=self.size == 1)
-            self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
+        if self.slot is not None:
+            self._dismiss(alone=self.size == 1)
         self.release_spares()
+
+    def _dismiss(self, alone: bool) -> None:
+        """At the end (bounded: a spawn that never completes is left to the newcomers' own watchdog)."""
+        s, self._spawn = self._spawn, None
+        if s is not None:
+            s.dismiss(self.step, alone=alone)
+            self._notify("dismissed", s.slots, reason="training ended before the join", **s.times())
 
 def attach(trainer: Trainer) -> None:
     """Rebalance `trainer`'s data at every join and log every respawn record in its event log."""

@@ -2,6 +2,7 @@
 or the one waiting spare while it waits), merged when ready."""
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -20,14 +21,9 @@ TAG = 1711                  # of the intercommunicator between the survivors and
 ANSWER_S = 2.0              # a ready newcomer answers JOIN within this (it tests every WAIT_POLL_S), or is dead
 
 
-def wait(req: MPI.Request) -> None:
-    """Complete a request by test-and-sleep: a background wait must not take a core from training."""
-    while not req.Test():
-        time.sleep(WAIT_POLL_S)
-
-
-def answered(req: MPI.Request, within: float) -> bool:
-    """Complete a request by test-and-sleep within `within` seconds; False (and cancelled) if it did not."""
+def wait(req: MPI.Request, within: float = math.inf, poll: float = WAIT_POLL_S) -> bool:
+    """Complete a request by test-and-sleep (a background wait must not take a core from training); False, and
+    the request cancelled, if it did not complete within `within` seconds."""
     deadline = time.monotonic() + within
     while not req.Test():
         if time.monotonic() > deadline:
@@ -35,7 +31,7 @@ def answered(req: MPI.Request, within: float) -> bool:
             status = MPI.Status()
             req.Wait(status)        # (frees it; a message that came meanwhile is not cancelled)
             return not status.Is_cancelled()
-        time.sleep(WAIT_POLL_S / 5)
+        time.sleep(poll)
     return True
 
 
