@@ -6,6 +6,7 @@
 #include "ulfm_compat.h"
 
 #include <limits.h>
+#include <semaphore.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -37,6 +38,20 @@ static void maybe_kill(int point)
     }
 }
 
+/* Fault injection: this thread sleeps for good on a lock that nobody releases,
+ * inside an MPI call, as a deadlock inside the MPI library does (a soak met one
+ * in Open MPI's TCP transport); only the hang watch can end such a rank. */
+static void maybe_wedge(void)
+{
+    sem_t never;
+    if (ftc_killpoint != FTC_WEDGE_IN_REDUCTION)
+        return;
+    ftc_killpoint = FTC_KILL_NONE;
+    sem_init(&never, 0, 0);
+    for (;;)
+        sem_wait(&never);
+}
+
 static double ms_since(double t0) { return (MPI_Wtime() - t0) * 1e3; }
 
 int ftc_status_of(int rc)
@@ -64,6 +79,7 @@ int ftc_allreduce_try(const void *sendbuf, void *recvbuf, MPI_Count count,
 {
     MPI_Aint lb, extent;
     int rc = MPI_Type_get_extent(datatype, &lb, &extent);
+    maybe_wedge();
     for (MPI_Count done = 0; rc == MPI_SUCCESS && done < count;) {
         MPI_Count n = count - done < ftc_max_chunk ? count - done : ftc_max_chunk;
         rc = MPI_Allreduce((const char *)sendbuf + done * extent,

@@ -25,7 +25,8 @@ enum ftc_status {
 enum ftc_killpoint {
     FTC_KILL_NONE = 0,
     FTC_KILL_AFTER_REVOKE = 1,
-    FTC_KILL_AFTER_SHRINK = 2
+    FTC_KILL_AFTER_SHRINK = 2,
+    FTC_WEDGE_IN_REDUCTION = 3  /* the next reduction sleeps for good on a lock */
 };
 
 typedef struct {

@@ -9,6 +9,7 @@ cdef extern from "ftcoll.h" nogil:
         FTC_KILL_NONE
         FTC_KILL_AFTER_REVOKE
         FTC_KILL_AFTER_SHRINK
+        FTC_WEDGE_IN_REDUCTION
 
     ctypedef struct ftc_report:
         int mpi_error

@@ -8,6 +8,7 @@ ERROR: int
 KILL_NONE: int
 KILL_AFTER_REVOKE: int
 KILL_AFTER_SHRINK: int
+WEDGE_IN_REDUCTION: int
 INIT_HANG_EXIT_CODE: int
 
 class FaultPathError(RuntimeError): ...

@@ -16,6 +16,7 @@ ERROR = FTC_ERROR
 KILL_NONE = FTC_KILL_NONE
 KILL_AFTER_REVOKE = FTC_KILL_AFTER_REVOKE
 KILL_AFTER_SHRINK = FTC_KILL_AFTER_SHRINK
+WEDGE_IN_REDUCTION = FTC_WEDGE_IN_REDUCTION
 INIT_HANG_EXIT_CODE = FTC_INIT_HANG_EXIT
 
 
@@ -157,7 +158,8 @@ def set_max_chunk(Py_ssize_t elements):
 
 
 def set_killpoint(int point, int sig=_signal.SIGKILL):
-    """Arm a signal (SIGKILL, or SIGSTOP to freeze) inside this process's next repair (fault injection)."""
+    """Arm a signal (SIGKILL, or SIGSTOP to freeze) inside this process's next repair, or (WEDGE_IN_REDUCTION) a
+    deadlock inside its next reduction (fault injection)."""
     ftc_set_killpoint(point, sig)
 
 

@@ -4,7 +4,8 @@ makes no progress for the bound is removed as a SIGKILLed one is, and the others
 SIGSTOP (for good, then a SIGCONT that comes too late) of rank 0; a waiting spare frozen, then a rank's death; a
 program's own evaluation and save between steps (never a hang); a deadlock in a user's loop with a spare; and,
 under `long`, a stuck DataLoader, a rank frozen inside the repair, a deadlock on every rank, a frozen spare never
-needed and a rank that resumes before the bound.  Across hosts: tests/faults/test_multihost.py."""
+needed and a rank that resumes before the bound; a rank wedged inside MPI (its main thread asleep on a lock
+there), rank 0 with a spare, and under `long` rank 1 without.  Across hosts: tests/faults/test_multihost.py."""
 from __future__ import annotations
 
 import json
@@ -229,6 +230,29 @@ def test_a_deadlock_in_a_users_loop_is_a_failure_a_spare_repairs(tmp_path):
     assert all(g["history"] == [3, 3] and g["consistent"] for g in got.values()), got
     (line,) = [x for x in proc.stderr.splitlines() if STUCK in x]
     assert "world rank 1 (after step 30)" in line and "hang_loop.py" in line, line      # comm.step: 30 committed
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kill, spares, history, survivors", [
+    ("0@30:commit/wedge", 1, [3, 3], [0, 1, 2]),
+    pytest.param("1@30/wedge", 0, [3, 2], [0, 2], marks=pytest.mark.long),
+])
+def test_a_rank_wedged_inside_mpi_is_a_failure_the_others_repair(digits_dir, tmp_path, kill, spares, history,
+                                                                  survivors):
+    """A rank's main thread deadlocks inside its next reduction's MPI call (a lock that nobody releases, as Open
+    MPI's TCP transport did in a 1000-failure soak): it sleeps there, so after the bound it says so in one line
+    and dies by SIGKILL; the others, waiting in the reduction, repair as after any SIGKILL (the spare takes
+    rank 0's slot; without one the world shrinks), exactly once.  Before, the rank counted as waiting in
+    ulfmtrain, and every member ended with status 3 after ten bounds (the soak's job, after 600 s)."""
+    job = Job(3 + spares, ["train", "--data", str(digits_dir), "--epochs", "3", "--spares", str(spares),
+                           "--kill", kill, *TRAIN], tmp_path / "out")
+    rc, err = job.end()
+    assert rc == 0, err[-3000:]
+    check_trained(job.logs(), survivors, history, 3)
+    (line,) = [x for x in err.splitlines() if "slept on a lock inside an MPI call" in x]
+    assert f"world rank {kill[0]} (after step" in line and "(at comm.py:" in line, line
+    bound_of(line)
+    assert select(job.logs()[int(kill[0])], "kill")[0]["kind"] == "wedge"
 
 
 @pytest.mark.timeout(300)

@@ -234,6 +234,27 @@ def test_a_main_thread_that_does_not_run_is_hung_and_a_busy_one_is_not(main, stu
     assert ("does not run" in proc.stdout) == stuck, proc.stdout
 
 
+# The same main threads inside a frame of ulfmtrain's collectives, where the watch takes them for waiting.
+IN_A_COLLECTIVE = "exec(compile({body!r}, hangs._WAITS[0] + 'collectives.py', 'exec'), globals())"
+
+
+@pytest.mark.parametrize("body, stuck", [
+    ("lock = threading.Lock(); lock.acquire(); lock.acquire(timeout=2.5)", True),   # asleep on a lock: wedged
+    ("time.sleep(2.5)", False),                                 # a test-and-sleep wait (a spare's, a join's)
+    ("x = 0\nwhile time.monotonic() - t0 < 2.5:\n    x += 1", False),    # an MPI call polls while it waits
+])
+def test_a_wait_in_ulfmtrain_asleep_on_a_lock_is_stuck_and_a_sleep_or_a_poll_is_not(body, stuck):
+    """A main thread inside MPI that sleeps on a lock for the bound is deadlocked inside the library (as Open MPI's
+    TCP transport did in a soak); one that sleeps between tests, or polls, waits for its peers."""
+    env = {**os.environ, hangs.FLOOR_ENV: "1"}
+    main = IN_A_COLLECTIVE.format(body=body)
+    proc = subprocess.run([sys.executable, "-P", "-c", PROGRAM.replace("{main}", main)], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert ("slept on a lock inside an MPI call" in proc.stdout) == stuck, proc.stdout
+    assert "does not run" not in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
 def test_a_step_timeout_or_straggler_factor_out_of_range_is_refused(bad):
     with pytest.raises(UsageError, match="--step-timeout"):
@@ -248,6 +269,16 @@ def test_a_bad_bound_in_the_environment_stops_the_rank_with_one_line(env, line):
     proc = subprocess.run([sys.executable, "-P", "-c", "from ulfmtrain.transport import hangs; hangs.start()"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, **env})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and line in proc.stderr, proc.stderr
+
+
+def test_the_watch_of_a_forked_rank_reads_its_own_main_thread():
+    """The fork server's ranks are forks: Python keeps the parent's native id for a fork's main thread, so the watch
+    read no state and no wait channel there (a rank wedged inside MPI was never found: the 1000-failure soak)."""
+    pid = os.fork()
+    if pid == 0:
+        w = hangs.Watch(lambda: None, lambda: 0, lambda *a: None, lambda *a: None)
+        os._exit(0 if hangs._thread_state(w._tid) == "R" else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def test_time_is_not_counted_while_this_process_itself_did_not_run():

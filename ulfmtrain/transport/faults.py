@@ -6,7 +6,9 @@ this rank a schedule.  KIND says how the rank fails there: `kill` (SIGKILL, the
 default), `raise` (an uncaught exception), `exit[=N]` (sys.exit(N), N=1 unless
 given), `term` (SIGTERM), `int` (SIGINT, which Python turns into
 KeyboardInterrupt), `stop[=S]` (SIGSTOP: frozen for good, or SIGCONT after S
-seconds) or `hang` (the main thread deadlocks, as in a program's own code).
+seconds), `hang` (the main thread deadlocks, as in a program's own code) or
+`wedge` (it deadlocks inside its next reduction's MPI call, as inside the MPI
+library: a lock that nobody releases).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ..core.modes import Phase
 
 PHASES = tuple(p.value for p in Phase)     # what each one means: modes.Phase
 DEFAULT_BACKWARD_FRACTION = 0.5
-KINDS = ("kill", "raise", "exit", "term", "int", "stop", "hang")   # how the rank fails: see the module's docstring
+KINDS = ("kill", "raise", "exit", "term", "int", "stop", "hang", "wedge")   # how the rank fails: the docstring
 _SPEC = re.compile(r"^(\d+)@(\d+)(?::([a-z]+)(?:=([0-9.]+))?)?(?:/([a-z]+)(?:=([0-9.]+))?)?$")
 _HELP = (f"expected RANK@STEP[:PHASE][/KIND], PHASE one of "
          f"{', '.join(PHASES).replace('backward', 'backward[=FRACTION]').replace('error', 'error[=COUNT]')}, "
@@ -146,10 +148,11 @@ def parse_kills(specs: Iterable[str], world_size: int | None = None, spares: int
             if k.rank >= world_size:
                 raise KillSpecError(f"bad kill spec '{k}': rank {k.rank} does not exist in a world of "
                                     f"{world_size} ranks; use RANK@STEP with RANK from 0 to {world_size - 1}")
-        # Only SIGKILLs and stops for good can leave nobody: when every rank fails by another kind, they end the job
-        # together with status 1 or 3 (exits.py, hangs.py), which a test of a bug on every rank wants.
+        # Only SIGKILLs, stops for good and wedges (the hang watch SIGKILLs the rank) can leave nobody: when every
+        # rank fails by another kind, they end the job together with status 1 or 3 (exits.py, hangs.py), which a
+        # test of a bug on every rank wants.
         if len({k.rank for k in kills}) >= world_size + spares and all(
-                k.kind == "kill" or k.kind == "stop" and not k.after for k in kills):
+                k.kind in ("kill", "wedge") or k.kind == "stop" and not k.after for k in kills):
             raise KillSpecError(f"the kill schedule kills all {world_size} ranks: "
                                 "drop one RANK@STEP so a survivor is left")
     ranks = [k.rank for k in kills]
@@ -268,6 +271,10 @@ def fail(kind: str, code: int = 1, spec: str = "", pid: int | None = None, after
         sys.exit(code)
     if kind == "hang":
         exec(_DEADLOCK, {})
+    if kind == "wedge":
+        from .. import _ftcoll
+        _ftcoll.set_killpoint(_ftcoll.WEDGE_IN_REDUCTION)
+        return
     if kind == "stop" and after:
         fd = os.pidfd_open(pid or os.getpid())
         subprocess.Popen([sys.executable, "-I", "-S", "-c", _RESUME, str(after), str(fd)], pass_fds=(fd,),

@@ -16,7 +16,11 @@ It writes both, with a heartbeat, on the job's board (board.py), and applies one
    process under 2 % of a core and 1 KiB/s read or written: a deadlock, a stuck DataLoader) is hung: the rank
    prints one line and leaves as a failure (exits.leave: its peers, waiting for it, revoke and repair; if every
    rank is hung, the job ends with status 3).  A busy rank (an evaluation, a save, a download, a thread of its
-   own that the main thread joins) is never hung.
+   own that the main thread joins) is never hung.  So is one that has waited in ulfmtrain for B asleep on a lock
+   (a futex, as the kernel's wait channel says) and as idle, outside a bounded wait: an MPI call polls while it
+   waits, so that one is deadlocked inside the MPI library (a soak met it in Open MPI's TCP transport: a lock
+   taken again by the thread that held it, as a peer's death was handled).  It ends by SIGKILL at once, without
+   the exit protocol, whose MPI calls could wait on the same lock; its peers repair as after any SIGKILL.
 2. **The peers' side.**  A rank that waits SIGKILLs every process of the job whose heartbeat is older than B
    (frozen: its watch thread cannot run either); across hosts the agents do it for their ranks (agent.py).
 3. **Nobody comes.**  A member that waited NOBODY_BOUNDS x B (600 s at the default floor) while every member
@@ -194,6 +198,16 @@ def _io(path: str) -> int:
         return 0
 
 
+def _asleep_on_a_lock(tid: int) -> bool:
+    """A thread of this process sleeps on a futex (a lock, a condition), not in a sleep or a poll of its own:
+    its wait channel, by name (False where the kernel hides it)."""
+    try:
+        with open(f"/proc/self/task/{tid}/wchan") as f:
+            return "futex" in f.read()
+    except OSError:
+        return False
+
+
 def _others_work() -> tuple[float, int]:
     """CPU seconds and bytes moved so far by every thread of this process but the calling one (the watch's own
     rows and reads are not the program's work; a thread of the program's that the main thread waits for is)."""
@@ -211,15 +225,17 @@ class Watch:
                  on_stuck: Callable[[str, float], None], on_nobody: Callable[[str], None]) -> None:
         self._comm, self._progress, self._on_stuck, self._on_nobody = comm, progress, on_stuck, on_nobody
         main = threading.main_thread()
-        assert main.ident is not None and main.native_id is not None
-        self._main, self._tid = main.ident, main.native_id
+        assert main.ident is not None
+        # The main thread's kernel id is the pid: after os.fork() (a rank the fork server forked) Python's
+        # main_thread().native_id is still the parent's, whose state and wait channel this process cannot read.
+        self._main, self._tid = main.ident, os.getpid()
         self.pid, self.start = os.getpid(), boards.start_time(os.getpid())
         self.host = os.environ.get("ULFMTRAIN_HOST") or socket.gethostname()
         # The normal launch across hosts: peers on other hosts are on other boards, out of this one's sight.
         world, local = (os.environ.get(f"OMPI_COMM_WORLD_{k}SIZE") for k in ("", "LOCAL_"))
         self.spans_hosts = bool(world and local and int(local) < int(world))
         self.state, self.since, self.progress = "work", time.monotonic(), -1
-        self.samples: collections.deque[tuple[float, float, int, bool]] = collections.deque()
+        self.samples: collections.deque[tuple[float, float, int, bool, bool]] = collections.deque()
         self.last_tick = time.monotonic()
         self.board: boards.Board | None = None
         self.send: Callable[[str], None] | None = None
@@ -235,20 +251,23 @@ class Watch:
         if state != self.state or progress != self.progress:
             self.state, self.since, self.progress = state, now, progress
             self.samples.clear()
-        if state == "work":
-            self.samples.append((now, *_others_work(), _thread_state(self._tid) == "R"))
-            while self.samples and now - self.samples[0][0] > b:
-                self.samples.popleft()
+        self.samples.append((now, *_others_work(), _thread_state(self._tid) == "R",
+                             state == "work" or _asleep_on_a_lock(self._tid)))
+        while self.samples and now - self.samples[0][0] > b:
+            self.samples.popleft()
         return state, where
 
     def stuck_for(self, now: float, b: float) -> float:
-        """How long the main thread has worked without running (0 unless for the whole bound)."""
-        if self.state != "work" or now - self.since < b or len(self.samples) < 4:
+        """How long the main thread has been stuck (0 unless for the whole bound): it worked without running, or
+        waited in ulfmtrain asleep on a lock, outside a bounded wait (the module's docstring)."""
+        if now - self.since < b or len(self.samples) < 4 or self.state == "wait" and in_bounded_wait():
             return 0.0
-        (t0, cpu0, io0, _), (_, cpu1, io1, _) = self.samples[0], self.samples[-1]
+        (t0, cpu0, io0, *_), (_, cpu1, io1, *_) = self.samples[0], self.samples[-1]
         span = now - t0
         runnable = sum(s[3] for s in self.samples) / len(self.samples)
-        idle = runnable <= IDLE_RUNNABLE and cpu1 - cpu0 <= IDLE_CPU * span and io1 - io0 <= IDLE_IO * span
+        locked = sum(s[4] for s in self.samples) / len(self.samples)
+        idle = (runnable <= IDLE_RUNNABLE and locked >= 1 - IDLE_RUNNABLE and cpu1 - cpu0 <= IDLE_CPU * span
+                and io1 - io0 <= IDLE_IO * span)
         return now - self.since if span >= 0.9 * b and idle else 0.0
 
     def make_row(self, now: float, b: float) -> dict[str, Any]:
@@ -283,6 +302,11 @@ class Watch:
         if self.send is not None:           # under a tether: the agent on the head node judges (agent.py)
             self.send("h " + json.dumps(row))
         stuck = self.stuck_for(now, b)
+        if stuck and self.state == "wait":
+            self._on_stuck(f"ulfmtrain: error: {row['where']}: its main thread has slept on a lock inside an MPI "
+                           f"call for {stuck:.1f} s (at {where}: a deadlock inside the MPI library); bound {b:g} s: "
+                           "it ends by SIGKILL so that its peers repair without it", b)
+            return
         if stuck:
             self._on_stuck(f"ulfmtrain: error: {row['where']}: its main thread has not returned to ulfmtrain for "
                            f"{stuck:.1f} s and does not run (at {where}: a deadlock, a stuck DataLoader?); bound "
@@ -379,8 +403,8 @@ def stop() -> None:
 
 def _leave_stuck(line: str, b: float) -> None:
     """A hung rank (this one): one line, its own child processes (DataLoader workers: one may be what it waits
-    for, and they would hold mpirun's output pipes) SIGKILLed, then the exit protocol as a failure; if every
-    rank leaves, status 3."""
+    for, and they would hold mpirun's output pipes) SIGKILLed, then the exit protocol as a failure (if every
+    rank leaves, status 3), or SIGKILL where it is stuck inside MPI."""
     from . import exits
 
     assert _watch is not None
@@ -389,6 +413,8 @@ def _leave_stuck(line: str, b: float) -> None:
     for child in boards.children(os.getpid()):
         with contextlib.suppress(OSError):
             os.kill(child, signal.SIGKILL)
+    if _watch.state == "wait":      # asleep on a lock inside MPI: the exit protocol's calls could wait on it too
+        os.kill(os.getpid(), signal.SIGKILL)
     if exits.fault_tolerant():       # (without ULFM, mpirun ends the whole job on this exit)
         exits.leave(failed=True, bound=min(exits.FAILED_BOUND_S, max(b, 1.0)))
     os._exit(INIT_HANG_EXIT_CODE)
