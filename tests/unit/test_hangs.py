@@ -234,20 +234,22 @@ def test_a_main_thread_that_does_not_run_is_hung_and_a_busy_one_is_not(main, stu
     assert ("does not run" in proc.stdout) == stuck, proc.stdout
 
 
-# The same main threads inside a frame of ulfmtrain's collectives, where the watch takes them for waiting.
-IN_A_COLLECTIVE = "exec(compile({body!r}, hangs._WAITS[0] + 'collectives.py', 'exec'), globals())"
+# The same main threads inside a frame of ulfmtrain's, where the watch takes them for waiting.
+IN_ULFMTRAIN = "exec(compile({body!r}, hangs._PACKAGE + {where!r}, 'exec'), globals())"
+LOCKED = "lock = threading.Lock(); lock.acquire(); lock.acquire(timeout=2.5)"
 
 
-@pytest.mark.parametrize("body, stuck", [
-    ("lock = threading.Lock(); lock.acquire(); lock.acquire(timeout=2.5)", True),   # asleep on a lock: wedged
-    ("time.sleep(2.5)", False),                                 # a test-and-sleep wait (a spare's, a join's)
-    ("x = 0\nwhile time.monotonic() - t0 < 2.5:\n    x += 1", False),    # an MPI call polls while it waits
+@pytest.mark.parametrize("body, where, stuck", [
+    (LOCKED, "/transport/collectives.py", True),                # asleep on a lock in a collective: wedged
+    ("time.sleep(2.5)", "/transport/collectives.py", False),    # a test-and-sleep wait (a spare's, a join's)
+    ("x = 0\nwhile time.monotonic() - t0 < 2.5:\n    x += 1", "/transport/collectives.py", False),   # a poll
+    (LOCKED, "/membership/respawn.py", False),   # a spawn or a join sleeps in PMIx; its own watchdog bounds it
 ])
-def test_a_wait_in_ulfmtrain_asleep_on_a_lock_is_stuck_and_a_sleep_or_a_poll_is_not(body, stuck):
-    """A main thread inside MPI that sleeps on a lock for the bound is deadlocked inside the library (as Open MPI's
-    TCP transport did in a soak); one that sleeps between tests, or polls, waits for its peers."""
+def test_a_wait_in_ulfmtrain_asleep_on_a_lock_is_stuck_and_a_sleep_or_a_poll_is_not(body, where, stuck):
+    """A main thread in a collective that sleeps on a lock for the bound is deadlocked inside the MPI library (as
+    Open MPI's TCP transport did in a soak); one that sleeps between tests, or polls, waits for its peers."""
     env = {**os.environ, hangs.FLOOR_ENV: "1"}
-    main = IN_A_COLLECTIVE.format(body=body)
+    main = IN_ULFMTRAIN.format(body=body, where=where)
     proc = subprocess.run([sys.executable, "-P", "-c", PROGRAM.replace("{main}", main)], capture_output=True, text=True,
                           timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr

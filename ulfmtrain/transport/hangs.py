@@ -16,11 +16,12 @@ It writes both, with a heartbeat, on the job's board (board.py), and applies one
    process under 2 % of a core and 1 KiB/s read or written: a deadlock, a stuck DataLoader) is hung: the rank
    prints one line and leaves as a failure (exits.leave: its peers, waiting for it, revoke and repair; if every
    rank is hung, the job ends with status 3).  A busy rank (an evaluation, a save, a download, a thread of its
-   own that the main thread joins) is never hung.  So is one that has waited in ulfmtrain for B asleep on a lock
-   (a futex, as the kernel's wait channel says) and as idle, outside a bounded wait: an MPI call polls while it
-   waits, so that one is deadlocked inside the MPI library (a soak met it in Open MPI's TCP transport: a lock
-   taken again by the thread that held it, as a peer's death was handled).  It ends by SIGKILL at once, without
-   the exit protocol, whose MPI calls could wait on the same lock; its peers repair as after any SIGKILL.
+   own that the main thread joins) is never hung.  So is one that has waited in transport/ for B asleep on a lock
+   (a futex, as the kernel's wait channel says) and as idle, outside a bounded wait: a collective, a repair or an
+   agree polls while it waits, so that one is deadlocked inside the MPI library (a soak met it in Open MPI's TCP
+   transport: a lock taken again by the thread that held it, as a peer's death was handled).  It ends by SIGKILL
+   at once, without the exit protocol, whose MPI calls could wait on the same lock; its peers repair as after
+   any SIGKILL.
 2. **The peers' side.**  A rank that waits SIGKILLs every process of the job whose heartbeat is older than B
    (frozen: its watch thread cannot run either); across hosts the agents do it for their ranks (agent.py).
 3. **Nobody comes.**  A member that waited NOBODY_BOUNDS x B (600 s at the default floor) while every member
@@ -164,14 +165,20 @@ def bound(comm: Any = None) -> float:
 
 
 # -- where the main thread is ------------------------------------------------------
-def classify(frame: Any) -> tuple[str, str]:
-    """("wait" or "work", file:line) of a thread's stack: its innermost frame outside the standard library
-    decides (a wait in threading or queue belongs to its caller)."""
+def _innermost(frame: Any) -> Any:
+    """A thread's innermost frame outside the standard library (a wait in threading or queue is its caller's)."""
     f = frame
     while f is not None and (f.f_code.co_filename.startswith("<frozen")
                              or f.f_code.co_filename.startswith(_STDLIB)
                              and not f.f_code.co_filename.startswith(_SITE)):
         f = f.f_back
+    return f
+
+
+def classify(frame: Any) -> tuple[str, str]:
+    """("wait" or "work", file:line) of a thread's stack: its innermost frame outside the standard library
+    decides."""
+    f = _innermost(frame)
     if f is None:
         return "work", "?"
     name = f.f_code.co_filename
@@ -251,8 +258,12 @@ class Watch:
         if state != self.state or progress != self.progress:
             self.state, self.since, self.progress = state, now, progress
             self.samples.clear()
+        # Membership's waits are left out of the lock rule: a spawn, a merge or a join sleeps in PMIx while it
+        # waits (their own watchdogs bound them), where a collective, a repair or an agree polls.
+        inner = _innermost(frame)
+        polls = inner is not None and not inner.f_code.co_filename.startswith(_WAITS[1])
         self.samples.append((now, *_others_work(), _thread_state(self._tid) == "R",
-                             state == "work" or _asleep_on_a_lock(self._tid)))
+                             state == "work" or polls and _asleep_on_a_lock(self._tid)))
         while self.samples and now - self.samples[0][0] > b:
             self.samples.popleft()
         return state, where
