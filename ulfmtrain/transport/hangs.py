@@ -73,6 +73,7 @@ STEPS_KEPT = 16
 IDLE_RUNNABLE, IDLE_CPU, IDLE_IO = 0.05, 0.02, 1024
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WAITS = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("transport", "membership"))
+_MEMBERSHIP = _WAITS[1]     # spawns, merges and joins: they sleep in PMIx while they wait
 _OVERLAP = os.path.join(_PACKAGE, "training", "overlap.py")    # the main thread waiting for the reductions
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _SITE = sysconfig.get_paths()["purelib"] + os.sep
@@ -252,16 +253,15 @@ class Watch:
     # -- what this rank says ---------------------------------------------------
     def sample(self, now: float, b: float) -> tuple[str, str]:
         """Classify the main thread; restart the clock of its state when it changes or the fault path moves."""
-        frame = sys._current_frames().get(self._main)
-        state, where = classify(frame)
+        inner = _innermost(sys._current_frames().get(self._main))
+        state, where = classify(inner)
         progress = self._progress()
         if state != self.state or progress != self.progress:
             self.state, self.since, self.progress = state, now, progress
             self.samples.clear()
         # Membership's waits are left out of the lock rule: a spawn, a merge or a join sleeps in PMIx while it
         # waits (their own watchdogs bound them), where a collective, a repair or an agree polls.
-        inner = _innermost(frame)
-        polls = inner is not None and not inner.f_code.co_filename.startswith(_WAITS[1])
+        polls = inner is not None and not inner.f_code.co_filename.startswith(_MEMBERSHIP)
         self.samples.append((now, *_others_work(), _thread_state(self._tid) == "R",
                              state == "work" or polls and _asleep_on_a_lock(self._tid)))
         while self.samples and now - self.samples[0][0] > b:
