@@ -73,7 +73,8 @@ RESTORE_BOUND_S = 120.0     # an episode waits at most this long for the world t
 
 def train_argv(args: argparse.Namespace, data: Path, out: Path, epochs: int) -> list[str]:
     return ["train", "--data", str(data), "--out", str(out), "--epochs", str(epochs), "--model", args.model,
-            "--replace", "respawn", "--spares", str(args.spares), "--audit", "--no-progress", "--seed", str(args.seed)]
+            "--replace", "respawn", "--spares", str(args.spares), "--audit", "--no-progress", "--seed", str(args.seed),
+            *(["--lr", str(args.lr)] if args.lr is not None else [])]
 
 
 class TrainingPids:
@@ -812,6 +813,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--spares", type=int, default=1, help="hot spares (K); respawn refills them")
     p.add_argument("--model", default="cnn")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None,
+                   help="train's --lr, for the soak and its references (default: train's own, 0.05, which destroys "
+                        "this model now and then in tens of thousands of epochs without failures: section 5b)")
     p.add_argument("--epochs", type=int, default=None,
                    help="epochs of the soak job (default: the episodes' time x 1.2 at the reference's pace)")
     p.add_argument("--reference-epochs", type=int, default=None,
@@ -940,7 +944,7 @@ def main(argv: list[str]) -> int:
     path = common.write_result(args.results, args.name, {
         "question": __doc__.split("\n\n")[0],
         "params": {"failures": args.failures, "interval_s": args.interval, "ranks": args.ranks,
-                   "spares": args.spares, "model": args.model, "seed": args.seed, "epochs": epochs,
+                   "spares": args.spares, "model": args.model, "seed": args.seed, "lr": args.lr, "epochs": epochs,
                    "reference_epochs": ref_epochs, "repair_kills": args.repair_kills,
                    "spawn_kills": args.spawn_kills, "spare_kills": args.spare_kills, "keep_slot": args.keep_slot},
         "command": common.portable(cmd_of(args, epochs)),

@@ -5,6 +5,7 @@ were right), never how fast anything was.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -331,6 +332,17 @@ def test_soak_judges_the_model_not_only_the_replicas() -> None:
     q = soak.model_quality([(0, 0.4), (1, 0.98), (2, 0.99), (3, 0.34), (4, 0.1)])
     assert q == {"final": 0.1, "best": 0.99, "best_epoch": 2, "fell_at_epoch": 3}
     assert soak.model_quality([(0, 0.5), (1, 0.97), (2, 0.96)])["fell_at_epoch"] is None
+
+
+def test_soak_passes_its_learning_rate_to_the_soak_and_its_references() -> None:
+    """The 1000-failure soak trains at a lower rate than train's default (which loses this model now and then in
+    tens of thousands of epochs, failures or not): every job of the soak, and the command it records, gets it."""
+    soak = _soak_module()
+    args = argparse.Namespace(model="cnn", spares=1, seed=0, lr=0.01, ranks=4)
+    argv = soak.train_argv(args, Path("D"), Path("O"), 7)
+    assert argv[argv.index("--lr") + 1] == "0.01"
+    assert "--lr" in soak.cmd_of(args, 7)
+    assert "--lr" not in soak.train_argv(argparse.Namespace(**{**vars(args), "lr": None}), Path("D"), Path("O"), 7)
 
 
 @pytest.mark.timeout(120)
