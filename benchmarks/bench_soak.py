@@ -7,7 +7,9 @@ respawned process: a spawned job does not share Open MPI's shared-memory
 transport), and in between with seeded SIGKILLs from outside (as a crashing
 node would), one episode every INTERVAL seconds on average (uniform in
 [0.5, 1.5] x INTERVAL, and never before the world is whole again: every slot
-trains and the last refill joined), until FAILURES processes have been killed.
+trains and the last refill joined), until FAILURES processes have been killed;
+the mean interval shrinks when the job's pace says the episodes left would not
+fit in its epochs (fitted_interval).
 An episode kills a random training rank at a random moment (whatever it is
 doing: forward, backward, a reduction, the commit agree, the update); now and
 then (--repair-kills) a second one 0-80 ms later, inside the detection, repair
@@ -92,6 +94,7 @@ class TrainingPids:
         self.read: dict[Path, int] = {}                 # bytes consumed, up to the last whole line
         self.latest: dict[int, tuple[int, bool]] = {}   # slot -> (pid of its latest start, ended since)
         self.joined = (0.0, 0, 0)                       # the latest join: (time, world after it, spares after it)
+        self.epoch = -1                                 # the last epoch any rank ended
 
     def __call__(self) -> dict[int, int]:
         for path in sorted(self.out.glob("rank*.jsonl")):
@@ -106,6 +109,8 @@ class TrainingPids:
                     self.latest[slot] = (json.loads(line)["pid"], False)
                 elif line.startswith(b'{"event": "end"') and slot in self.latest:
                     self.latest[slot] = (self.latest[slot][0], True)
+                elif line.startswith(b'{"event": "epoch"'):
+                    self.epoch = max(self.epoch, json.loads(line)["epoch"])
                 elif line.startswith(b'{"event": "respawn"') and b'"joined"' in line:
                     r = json.loads(line)
                     self.joined = max(self.joined, (r["t"], r["size_after"], r["spares"]))
@@ -193,6 +198,19 @@ def _victim(rng: np.random.Generator, pids: dict[int, int], keep: int | None,
     return int(rng.choice(slots)) if slots else None
 
 
+def fitted_interval(interval: float, epochs_left: int, pace_s: float | None, kills_left: int,
+                    kills_per_episode: float) -> float:
+    """The mean interval to the next episode: --interval, or shorter when the job's pace (seconds per epoch,
+    failures included; None before it is known) says the episodes left would not fit before its last epoch ends,
+    with two intervals and 15 s to spare (the last refill and the goodput window after the last kill).  The job's
+    length is fixed in epochs at its start, its pace is not (0.15-0.22 s per epoch in one soak's 10-minute windows
+    and from one day to the next): sized for the slow pace, a soak ended 39 kills short of its count."""
+    if pace_s is None or kills_left <= 0:
+        return interval
+    episodes_left = kills_left / max(1.0, kills_per_episode)
+    return max(1.0, min(interval, (epochs_left * pace_s - 15.0) / (episodes_left + 2)))
+
+
 def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failures: int) -> dict[str, Any]:
     """One job; with failures > 0, SIGKILL that many processes, one episode at the mean interval: a training rank
     at a random moment, now and then followed by a second kill inside the repair it started (--repair-kills) or
@@ -212,7 +230,9 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return False
-        kills.append({"t": time.time(), "slot": slot, "pid": pid, "kind": kind, "episode": episode})
+        # interval_s: the mean interval to the next episode, as the schedule set it before this one's kills.
+        kills.append({"t": time.time(), "slot": slot, "pid": pid, "kind": kind, "episode": episode,
+                      "interval_s": round(mean, 3)})
         atomic.write_json(kills_path, kills)
         return True
 
@@ -223,7 +243,18 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
         # Kills start once every slot trains (start-up is not what this measures).
         while failures and proc.poll() is None and len(training_pids()) < args.ranks:
             time.sleep(0.1)
-        next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
+        pace_from = (time.monotonic(), training_pids.epoch)
+        mean = args.interval
+
+        def fit() -> float:
+            # The job's pace since the kills began (its cost included), once 20 epochs tell it.
+            done = training_pids.epoch - pace_from[1]
+            pace = (time.monotonic() - pace_from[0]) / done if done >= 20 else None
+            per_episode = len(kills) / episode if episode >= 10 else 1 + args.repair_kills + args.spawn_kills
+            return fitted_interval(args.interval, epochs - 1 - training_pids.epoch, pace, failures - len(kills),
+                                   per_episode)
+
+        next_at = time.monotonic() + rng.uniform(0.5, 1.5) * mean
         episode, waiting_since = 0, None
         while proc.poll() is None and time.monotonic() - t0 < args.timeout:
             time.sleep(0.05)
@@ -241,7 +272,8 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
             if not whole and time.monotonic() - waiting_since < RESTORE_BOUND_S:
                 continue
             waited, waiting_since = time.monotonic() - waiting_since, None
-            next_at = time.monotonic() + rng.uniform(0.5, 1.5) * args.interval
+            mean = fit()
+            next_at = time.monotonic() + rng.uniform(0.5, 1.5) * mean
             if len(pids) < 2:
                 continue
             sample = procs.scan(pids)
@@ -876,13 +908,15 @@ def main(argv: list[str]) -> int:
         epochs = next((json.loads(line)["config"]["epochs"] for line in open(work / "soak" / "rank0.jsonl", "rb")
                        if line.startswith(b'{"event": "start"')), epochs)
     else:
-        print(f"soak: {epochs} epochs, {args.failures} SIGKILLs, one episode every {args.interval:g} s on average",
-              flush=True)
+        print(f"soak: {epochs} epochs, {args.failures} SIGKILLs, one episode every {args.interval:g} s on average "
+              f"(less if the job's pace says they would not fit in its epochs)", flush=True)
         # Bounded by three times the episodes' time (--timeout's default, an hour, stopped a 1000-failure soak at
         # 559 kills), or --timeout if longer.
         bound = argparse.Namespace(**{**vars(args), "timeout": max(args.timeout, 3 * episodes_due * args.interval)})
         kills = run_job(bound, data, work / "soak", epochs, args.failures)["kills"]
-    soak = measure(work / "soak", args.ranks, kills, free["train_s"] / free["steps"], args.interval)
+    # The goodput window ends one interval after the last kill: the interval the schedule had come to.
+    last_interval = kills[-1].get("interval_s", args.interval) if kills else args.interval
+    soak = measure(work / "soak", args.ranks, kills, free["train_s"] / free["steps"], last_interval)
     reference("free_after", args)
     samples = soak.pop("samples", [])
     leaks = leak_slopes(samples, soak.get("handles", {}))
@@ -943,7 +977,9 @@ def main(argv: list[str]) -> int:
         r.pop("world", None)     # drawn; the progress curve stays, so the figure can be drawn again
     path = common.write_result(args.results, args.name, {
         "question": __doc__.split("\n\n")[0],
-        "params": {"failures": args.failures, "interval_s": args.interval, "ranks": args.ranks,
+        "params": {"failures": args.failures, "interval_s": args.interval,
+                   "interval_fitted_s": common.summarize([k["interval_s"] for k in kills if "interval_s" in k]),
+                   "ranks": args.ranks,
                    "spares": args.spares, "model": args.model, "seed": args.seed, "lr": args.lr, "epochs": epochs,
                    "reference_epochs": ref_epochs, "repair_kills": args.repair_kills,
                    "spawn_kills": args.spawn_kills, "spare_kills": args.spare_kills, "keep_slot": args.keep_slot},

@@ -415,3 +415,15 @@ def test_soak_tells_the_fork_server_from_a_waiting_spare():
             with contextlib.suppress(Exception):
                 os.killpg(pids[p], 9)
         job.wait()
+
+
+def test_soak_fits_its_episodes_into_the_job_when_its_pace_says_they_would_not_fit() -> None:
+    """A 1000-failure soak sized its job in epochs for one pace and ran at another: it ended 39 kills short.  The
+    schedule keeps --interval while the episodes left fit before the last epoch ends, and shrinks it when not."""
+    fit = _soak_module().fitted_interval
+    assert fit(9.0, 40_000, None, 1000, 1.1) == 9.0                  # the pace not known yet
+    assert fit(9.0, 100_000, 0.15, 1000, 1.1) == 9.0                 # 15,000 s for 909 episodes: room to spare
+    short = fit(9.0, 40_000, 0.15, 1000, 1.1)                        # 6000 s for 909 episodes
+    assert 6.0 < short < 6.6
+    assert (1000 / 1.1 + 2) * short + 15 == pytest.approx(40_000 * 0.15)
+    assert fit(9.0, 40_000, 0.15, 0, 1.1) == 9.0 and fit(9.0, 10, 0.15, 1000, 1.1) == 1.0
