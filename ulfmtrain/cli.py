@@ -1,4 +1,4 @@
-"""Command line: `python -m ulfmtrain {train,launch,demo,data,supervise,compare}`."""
+"""Command line: `python -m ulfmtrain {train,launch,demo,audit,data,supervise,compare}`."""
 from __future__ import annotations
 
 import argparse
@@ -80,7 +80,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         + " (checkpoint: rank 0 only, half-way through writing that step's checkpoint); KIND: "
                         "kill (SIGKILL, the default), raise (an uncaught exception), exit[=CODE] (sys.exit), "
                         "term (SIGTERM), int (SIGINT), stop[=S] (SIGSTOP; SIGCONT S seconds later), hang (a "
-                        "deadlock)")
+                        "deadlock), wedge (a deadlock inside the next reduction's MPI call)")
     p.add_argument("--out", default="ulfmtrain-out", help="directory for rank<N>.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0 (logs and CI)")
     p.add_argument("--spares", type=int, default=0, metavar="K",
