@@ -63,7 +63,7 @@ def pydoc_corpus(out: Path) -> None:
 SHAPES = {
     "dcgan": Shape(f"{EX}/dcgan/main.py", ("--niter", "2", "--ngf", "4", "--ndf", "4", "--nz", "8", "--batchSize",
                                            "32", "--workers", "1"),
-                   kill="1@9:update", spare="0@23", error="2@30",
+                   kill="1@9:allreduce", spare="0@23", error="2@30:allreduce",
                    what="pytorch/examples' DCGAN: two models with batch norm, two optimizers, a DataLoader"),
     "time_sequence": Shape(f"{EX}/time_sequence_prediction/train.py", ("--steps", "3"),
                            kill="0@1:allreduce", spare="1@1:allreduce", error="2@2", audited=False,
@@ -222,6 +222,24 @@ def test_an_exception_on_one_rank_is_survived_by_the_others(mpi, tmp_path, name)
     judged(r, name, [s for s in range(SLOTS) if s != victim(spec)], tracebacks=1)
     assert "InjectedFailure: injected failure" in r.proc.stderr, r.diag()
     assert all(rec["history"] == [SLOTS, SLOTS - 1] for rec in r.records.values()), r.records
+
+
+@pytest.mark.timeout(BOUND_S)
+def test_a_rank_that_dies_between_a_gans_two_steps_without_a_spare_ends_the_job_with_status_1(mpi, tmp_path):
+    """DCGAN's rank 1 dies after D committed step 9 and before G did, no spare: its batch of step 9 is in D's
+    step, and the survivors train it again (D twice); no replay is exact for D and G both.  Before, the audit
+    lines (written at G's attempts) showed every record once: audit exact, status 0.  Now the ranks' end verdict
+    says so in one line, status 1, and the audit agrees; the replicas still end identical."""
+    r = run(mpi, "dcgan", tmp_path, kill="1@9:update")
+    assert r.proc.returncode == 1, r.diag()
+    lines = [x for x in r.proc.stderr.splitlines() if x.startswith("ulfmtrain: error:")]
+    assert len(lines) == 1 and "not exactly-once: epoch 0: a rank died after 'opt' (Discriminator) committed " \
+        "step 9" in lines[0] and "launch --spares 1" in lines[0], r.diag()
+    assert sorted(r.records) == [0, 2] and len({x["checksum"] for x in r.records.values()}) == 1, r.diag()
+    audit = subprocess.run([sys.executable, "-m", "ulfmtrain", "audit", str(r.out / "events")],
+                           capture_output=True, text=True, timeout=60)
+    assert audit.returncode == 1 and "trained again records that an optimizer had committed" in audit.stdout, \
+        audit.stdout + audit.stderr
 
 
 @pytest.mark.timeout(BOUND_S)

@@ -108,6 +108,40 @@ def test_accumulation_the_sampler_was_not_told_of_ends_the_job_with_one_line(mpi
     assert len(results(tmp_path)) == 3             # the script ran to its end on every rank: the end judged it
 
 
+@pytest.mark.timeout(3 * BOUND_S)
+def test_the_samplers_verdict_runs_at_the_scripts_own_mpi_finalize_once(mpi, tmp_path):
+    """`MPI.Finalize()` at the end of a script (mpi4py imported after ulfmtrain): the sampler's verdict and the
+    end run there, once, as at the script's last line: exact, status 0 and the script goes on; accumulation the
+    sampler was not told of, status 1 and one line."""
+    proc = run(mpi, "hf_accumulate.py", tmp_path / "exact", *HF, "--finalize")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("after MPI.Finalize()") == 3 and "MPI_FINALIZE" not in proc.stderr, proc.stdout
+    exact(tmp_path / "exact", 2)
+    proc = run(mpi, "hf_accumulate.py", tmp_path / "out_of_phase", *HF, "--no-plan", "--metric", "none",
+               "--epochs", "1", "--finalize")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("ulfmtrain: error:")]
+    assert len(lines) == 1 and "pass ExactlyOnceSampler(..., accumulate=4)" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(3 * BOUND_S)
+def test_a_loop_cut_by_max_train_steps_that_a_failure_outgrew_ends_with_one_line(mpi, tmp_path):
+    """Hugging Face's no_trainer loop: max_train_steps = epochs x ceil(len(loader) / k), fixed at its start, and
+    `if completed_steps >= max_train_steps: break`.  A SIGKILL makes the epochs longer (the dead rank's records
+    go to the survivors as extra steps, and later epochs on 2 ranks are longer), so the count ends the last
+    epoch early.  Before: its last records untrained, the epoch not judged, status 0.  Now status 1 and one
+    line; failure-free, the same loop is exact."""
+    proc = run(mpi, "hf_accumulate.py", tmp_path / "free", *HF, "--cap", "--metric", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exact(tmp_path / "free", 2)
+    proc = run(mpi, "hf_accumulate.py", tmp_path / "kill", *HF, "--cap", "--metric", "none", kill="1@2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("ulfmtrain: error:")]
+    assert len(lines) == 1 and "ended in epoch 1 with" in lines[0] and "max_train_steps?" in lines[0], \
+        proc.stderr[-3000:]
+    assert sorted(results(tmp_path / "kill")) == [0, 2]      # the script ran to its end: the end judged it
+
+
 @pytest.mark.timeout(2 * BOUND_S)
 def test_a_range_loop_without_set_epoch_survives_a_death_in_an_epochs_last_step(mpi, tmp_path):
     """`for epoch in range(2): for x, y in loader:` (no set_epoch), rank 1 dies in epoch 0's last step (12 of

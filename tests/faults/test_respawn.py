@@ -234,16 +234,21 @@ def test_a_respawned_process_that_fails_before_it_is_ready_is_spawned_again_up_t
 
 
 @pytest.mark.timeout(2 * BOUND_S)
-@pytest.mark.parametrize(("victim", "phase"), [(2, "join"), (0, "join"), (2, "split"), (0, "split")])
+@pytest.mark.parametrize(("victim", "phase"), [(2, "join"), (0, "join"), (2, "split"), (0, "split"),
+                                               (2, "intercomm")])
 def test_a_death_inside_the_join_leaves_the_world_at_its_size_and_says_so(mpi, digits_dir, tmp_path, victim,
                                                                          phase):
     """A slot dies after the join's intercommunicator, before the merge (slot 0: the spawning rank, which leads
-    the join), or after the merge, before the split of the training communicator: the survivors decide together
-    not to take the joined world, say so, train on shrunk, and a later spawn refills the world.  (At `split` every
-    rank used to raise MPI_ERR_PROC_FAILED from the split, and the job ended with status 1.)"""
+    the join), or after the merge, before the split of the training communicator, or once the survivors agreed to
+    make the intercommunicator, before MPI_Intercomm_create: the survivors decide together not to take the joined
+    world, say so, train on shrunk, and a later spawn refills the world.  (At `split` every rank used to raise
+    MPI_ERR_PROC_FAILED from the split, and the job ended with status 1.)  At `intercomm` the survivors' call
+    returns an error, the newcomer's does not: it leaves at its bound ($ULFMTRAIN_SPAWN_TIMEOUT, 5 s here), and
+    only then is the slot spawned again."""
     # 80 epochs: room for the second spawn, of two processes, LEAVE_S after the failed join, to join before the end
     # (about 10 s after step 30; 80 epochs take about 45 s on a 2-core CI box: 4x room).
-    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 80, "1@30", f"{victim}@30:{phase}")
+    env = {"ULFMTRAIN_SPAWN_TIMEOUT": "5"} if phase == "intercomm" else None
+    end, logs, _ = train(mpi, digits_dir, tmp_path, 4, 0, 80, "1@30", f"{victim}@30:{phase}", env=env)
     (kill,) = select(logs[victim], "kill")
     assert kill["phase"] == phase
     failed = respawns(logs, 3, "failed")

@@ -235,3 +235,25 @@ def test_replicas_that_end_different_in_a_script_end_the_job_with_status_1(tmp_p
     assert proc.returncode == 1 and sorted(got) == [0, 1, 2], proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if "replicas ended different" in x]
     assert len(lines) == 1 and "after step 12: slot 2 holds another state than slot 0" in lines[0], lines
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_script_that_calls_mpi_finalize_itself_ends_as_at_its_last_line(tmp_path):
+    """mpi4py's habit, `MPI.Finalize()` at the script's end.  Before, MPI ended under ulfmtrain's end: the end
+    check went unrun, and the job aborted (MPI_Comm_size after MPI_FINALIZE, status 14), or with replicas that
+    differed said every rank had died by a signal.  Now the call ends the rank as its last line would: status 0
+    and the script goes on after it; replicas that differ end the job with status 1 and the end check's line."""
+    proc, got = launch("step_loop.py", tmp_path / "same", "restart", "-", "finalize")
+    assert proc.returncode == 0 and sorted(got) == [0, 1, 2], proc.stderr[-3000:]
+    assert sorted(x for x in proc.stdout.splitlines() if "after MPI.Finalize()" in x) == \
+        [f"slot {s} after MPI.Finalize()" for s in range(3)], proc.stdout[-2000:]
+    assert "MPI_FINALIZE" not in proc.stderr and "error" not in proc.stderr, proc.stderr[-3000:]
+    proc, got = launch("step_loop.py", tmp_path / "nudged", "restart", "2@nudge", "finalize")
+    assert proc.returncode == 1 and sorted(got) == [0, 1, 2], proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if "replicas ended different" in x]
+    assert len(lines) == 1 and "after step 12: slot 2 holds another state than slot 0" in lines[0], lines
+    # mpi4py imported after ulfmtrain (the rank leaves without MPI_Finalize under ULFM), then an exception: it
+    # ends the process with its traceback (before, it waited for good to leave a job it had left).
+    proc, got = launch("step_loop.py", tmp_path / "raised", "restart", "-", "finalize-raise")
+    assert proc.returncode == 1 and sorted(got) == [0, 1, 2], proc.stderr[-3000:]
+    assert proc.stderr.count("RuntimeError: after MPI.Finalize()") == 3, proc.stderr[-3000:]

@@ -11,6 +11,7 @@ each training rank that ends writes OUT/rank<slot>.json.
 import argparse
 import contextlib
 import json
+import math
 import os
 
 import torch
@@ -34,6 +35,10 @@ p.add_argument("--bf16", action="store_true")
 p.add_argument("--workers", type=int, default=2)
 p.add_argument("--metric", choices=["dist", "none"], default="dist")
 p.add_argument("--sampler-first", action="store_true", help="make the sampler before the optimizer (no opt given)")
+p.add_argument("--finalize", action="store_true", help="MPI.Finalize() at the end (mpi4py imported after ulfmtrain)")
+p.add_argument("--cap", action="store_true",
+               help="Hugging Face's max_train_steps = epochs x ceil(len(loader) / k), fixed at the start: the loop "
+                    "breaks once that many steps completed")
 args = p.parse_args()
 
 comm = ulfmtrain.connect()
@@ -60,6 +65,8 @@ sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm
 comm.track(sched=sched)
 autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
 norms, accuracy = [], []
+max_train_steps = args.epochs * math.ceil(len(loader) / args.k)
+completed_steps = 0
 
 
 def evaluate():
@@ -74,6 +81,7 @@ def evaluate():
 
 
 def train_epoch():
+    global completed_steps
     for i, (xb, yb) in enumerate(loader):
         last = (i + 1) % args.k == 0 or i + 1 == len(loader)
         quiet = opt.no_sync() if args.no_sync and not last else contextlib.nullcontext()
@@ -88,6 +96,9 @@ def train_epoch():
             opt.step()
             sched.step()
             opt.zero_grad()
+            completed_steps += 1
+        if args.cap and completed_steps >= max_train_steps:
+            break
 
 
 if args.loop == "epochs":
@@ -107,3 +118,8 @@ with open(os.path.join(args.out, f"rank{comm.world_rank}.json"), "w") as f:
     json.dump({"checksum": opt.checksum(), "steps": opt.step_count, "history": comm.world_history,
                "lr": opt.param_groups[0]["lr"], "norms": norms, "accuracy": accuracy,
                "joined": getattr(comm, "takeover", None) is not None}, f)
+if args.finalize:
+    from mpi4py import MPI
+    slot = comm.world_rank
+    MPI.Finalize()
+    print(f"slot {slot} after MPI.Finalize()", flush=True)

@@ -4,7 +4,9 @@ step_loop.py OUT MODE [DIE]`.
 MODE `resume`: the loop starts at the committed step (`range(comm.step, STEPS)`) and the warm-up reads a
 tracked counter (`state = comm.track(global_step=0)`), so a replacement resumes both.  MODE `restart`: the
 habit of a script written for one process, `range(STEPS)` and a plain `global_step`; a replacement starts them
-over.  Each slot's batch is a function of (slot, step).  DIE = SLOT@STEP: that slot SIGKILLs itself at STEP
+over.  A last argument `finalize`: mpi4py imported first and `MPI.Finalize()` at the end, then a line printed
+(an mpi4py script's habit); `finalize-raise`: mpi4py imported after ulfmtrain, and an exception after it.
+Each slot's batch is a function of (slot, step).  DIE = SLOT@STEP: that slot SIGKILLs itself at STEP
 (rank 0 included); DIE = SLOT@nudge: after the loop that slot changes a weight by hand, a bug that nothing
 reduces; kills of $ULFMTRAIN_KILL fire too.  Each training rank that ends writes OUT/rank<slot>.json.
 """
@@ -13,6 +15,8 @@ import os
 import signal
 import sys
 
+if sys.argv[-1] == "finalize":
+    from mpi4py import MPI  # before ulfmtrain, as an mpi4py script does
 import torch
 import torch.nn.functional as F
 
@@ -51,3 +55,10 @@ if die == f"{comm.world_rank}@nudge":
 with open(os.path.join(out, f"rank{comm.world_rank}.json"), "w") as f:
     json.dump({"checksum": opt.checksum(), "global_step": state.global_step, "lr": opt.param_groups[0]["lr"],
                "joined": joined, "history": comm.world_history}, f)
+if sys.argv[-1].startswith("finalize"):
+    from mpi4py import MPI
+    slot = comm.world_rank
+    MPI.Finalize()
+    print(f"slot {slot} after MPI.Finalize()", flush=True)
+    if sys.argv[-1] == "finalize-raise":
+        raise RuntimeError("after MPI.Finalize()")

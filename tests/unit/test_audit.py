@@ -169,3 +169,20 @@ def test_the_audit_read_line_by_line_gives_audit_logs_verdict(tmp_path):
     write(tmp_path, logs_of({0: [resume, a(10, [0], 1), *END]}, 4))
     with pytest.raises(ValueError, match="resumed"):
         audit.audit_files(tmp_path)
+
+
+def test_records_trained_again_after_an_optimizer_committed_them_are_not_exact(tmp_path, capsys):
+    """A GAN's rank 1 died after D committed step 1 and before G did, with no replacement: the survivors train its
+    batch of step 1 again (D twice).  Before, the audit lines (written at G's attempts) showed each record once
+    and the audit said exact; now each survivor's recovery line names the records, counted once per recovery."""
+    again = {"event": "recovery", "step": 1, "removed": [1], "replayed_committed": {"epoch": 0, "records": 1, "step": 1,
+                                                                    "optimizers": ["opt"]}}
+    logs = logs_of({0: [a(0, [0]), a(1, [1]), again, a(2, [3]), *END], 1: [a(0, [2])],
+                    2: [a(0, [4]), a(1, [5]), again, a(2, [6]), *END]}, 7)
+    (row,) = audit.audit_logs(logs)
+    assert (row.duplicates, row.missing, row.replayed, row.exact) == (0, 0, 1, False)
+    write(tmp_path, logs)
+    assert audit.audit_files(tmp_path) == [row]
+    assert audit.main(str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    assert "1 records trained again" in out and "epochs [0] trained again records that an optimizer" in out

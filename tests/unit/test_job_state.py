@@ -118,6 +118,33 @@ def test_every_optimizer_and_tracked_name_travels_by_name_and_the_step_is_the_le
     assert comm.job.checksum() == new.job.checksum()
 
 
+def test_the_optimizers_that_committed_ahead_of_the_jobs_step_are_named_to_the_sampler():
+    """Between D's commit and G's, D holds the batches of the sampler's step in flight: a rank that dies then,
+    with no replacement, leaves them trained again by the survivors (loader._replan); the sampler asks which
+    optimizers are ahead, except the one it follows.  Replicated: a replacement receives it."""
+    from ulfmtrain.data.hooks import SamplerHooks
+
+    comm = FakeComm()
+    d, g, opt_d, opt_g, sched, state = gan(comm)
+    x = torch.randn(8, 4)
+    iteration(d, g, opt_d, opt_g, sched, state, x)
+    job, names = comm.job, lambda opt: SamplerHooks(opt, comm).ahead()
+    assert job.committed_ahead() == [] and names(None) == []
+    opt_d.zero_grad()
+    d(x).pow(2).mean().backward()
+    opt_d.step()                     # D's step of iteration 1 committed, G's in flight
+    assert job.committed_ahead() == [opt_d]
+    assert names(None) == names(opt_g) == ["'opt' (Linear)"] and names(opt_d) == []
+    comm.job.in_flight = (phase.STEP, "opt1")
+    new = FakeComm(comm.job.payload())
+    gan(new)
+    assert [o.name for o in new.job.committed_ahead()] == ["opt"]
+    opt_g.zero_grad()
+    d(g(x[:, :2])).mean().backward()
+    opt_g.step()                     # the job's step advances: nobody is ahead
+    assert job.committed_ahead() == [] and names(None) == []
+
+
 def test_a_name_the_replacement_never_makes_or_a_shape_that_does_not_fit_is_a_problem():
     comm = FakeComm()
     torch.manual_seed(0)

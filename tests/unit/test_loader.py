@@ -48,9 +48,10 @@ def rank(w: int, alive: list[int], count: int, batch: int, workers: int = 0, **k
     return SimpleNamespace(w=w, comm=comm, opt=opt, s=s, loader=loader)
 
 
-def train(ranks, epochs, kills=(), k=1, loop="set_epoch"):
+def train(ranks, epochs, kills=(), k=1, loop="set_epoch", cap=None):
     """Every rank steps through its loader, k micro-batches a step; kills: {(epoch, step): world rank} die in
-    that step, before it commits.  Returns the records each epoch committed (placeholders, weighted 0, left
+    that step, before it commits; cap: the loops stop after that many steps (Hugging Face's max_train_steps).
+    Returns the records each epoch committed (placeholders, weighted 0, left
     out), the steps of each pass, and every micro-batch's size."""
     seen: dict[int, Counter] = {}
     steps: dict[int, int] = {}
@@ -63,7 +64,7 @@ def train(ranks, epochs, kills=(), k=1, loop="set_epoch"):
                 r.s.set_epoch(epoch)
         its = {r.w: iter(r.loader) for r in live}
         step = 0
-        while True:
+        while cap is None or live[0].opt.step_count < cap:
             got = {}
             for r in live:
                 micro = []
@@ -126,6 +127,41 @@ def test_a_dead_ranks_records_go_to_the_survivors_in_the_same_epoch(kills):
     seen, steps, sizes = train(ranks, 2, kills)
     exactly_once(seen, 203, 2)
     assert steps[0] > 6 and min(sizes) >= 2        # extra steps after the failure, asked for by the same loops
+
+
+def test_a_dead_ranks_batch_that_an_optimizer_ahead_committed_is_judged_at_the_end():
+    """Several optimizers, the sampler following the job's step: a rank that dies after one of them (a GAN's D)
+    committed the step in flight and before the others did left its batch in that optimizer's step; the survivors
+    train it again (twice for D).  Before, the books counted it once and the job ended 0; now the end says so."""
+    ranks = [rank(w, [0, 1, 2], 60, 5) for w in range(3)]
+    for r in ranks:
+        r.s.hooks.ahead = lambda: ["'opt' (D)"]    # what JobState says between D's commit and G's
+    seen, _, _ = train(ranks, 1, {(0, 1): 1})
+    exactly_once(seen, 60, 1)                      # what the sampler counted: once (D's step is not in it)
+    lines = {r.s.verdict() for r in ranks}
+    assert len(lines) == 1                         # every survivor judges alike
+    line = lines.pop()
+    assert line is not None and "a rank died after 'opt' (D) committed step 1" in line and "5 records" in line
+    again = [x for r in ranks for x in r.s.replanned]
+    assert [x["replayed_committed"]["records"] for x in again] == [5, 5]
+
+
+@pytest.mark.parametrize("kills,cap,judged", [({}, 8, False), ({}, 4, False), ({(0, 1): 1}, 8, True),
+                                               ({(0, 1): 1}, 7, False), ({(0, 1): 1}, None, False)])
+def test_a_loop_cut_by_a_step_count_that_failures_outgrew_is_judged_at_the_end(kills, cap, judged):
+    """Hugging Face's loop stops at max_train_steps = epochs x len(loader), fixed at its start; a failure makes
+    the epochs longer (the dead rank's records, fewer ranks), so the count ends the last epoch early, its last
+    records untrained.  Before, the open epoch was not judged and the job ended 0; now the end names it.  A count
+    that ends mid-epoch without failures (7 of 4-step epochs) stops there on purpose: not judged."""
+    ranks = [rank(w, [0, 1, 2], 60, 5) for w in range(3)]
+    assert ranks[0].s.free_steps == 4
+    train(ranks, 2, kills, cap=cap)
+    lines = {r.s.verdict() for r in ranks}
+    assert len(lines) == 1
+    line = lines.pop()
+    assert (line is not None) == judged, line
+    if judged:
+        assert "ended in epoch 1 with" in line and "after step 8, where a failure-free run ends epoch 1" in line
 
 
 @pytest.mark.parametrize("k,kills", [(3, {}), (3, {(0, 1): 1}), (2, {(0, 0): 0, (1, 2): 2}), (4, {(0, 3): 2})])

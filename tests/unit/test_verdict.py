@@ -44,3 +44,17 @@ def test_the_event_log_is_judged_only_with_every_slots_log(tmp_path):
     assert "epoch 0 with 1 record(s) trained twice" in log_verdict(str(tmp_path), "j", 2)
     assert log_verdict(str(tmp_path), "j", 3) is None          # slot 2's log is on another host: not judged
     assert log_verdict(str(tmp_path), "another job", 2) is None
+
+
+def test_books_say_a_step_trained_again_after_an_optimizer_committed_it():
+    b = Books(4)
+    b.open(0, np.empty(0, dtype=np.int64))
+    b.trained(0, [np.array([0, 1, 2, 3])])
+    b.close(0)
+    assert b.verdict({}) is None
+    b.replayed({"epoch": 0, "records": 2, "step": 9, "optimizers": ["'opt' (D)"]})
+    copy = Books(4)
+    copy.load_state(b.state())                     # replicated: a replacement judges alike
+    line = copy.verdict({})
+    assert line is not None and line.startswith("epoch 0: a rank died after 'opt' (D) committed step 9")
+    assert "its 2 records of that step are trained again" in line and "launch --spares 1" in line

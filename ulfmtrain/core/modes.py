@@ -93,6 +93,7 @@ class Phase(StrEnum):
     RECOVERY = "recovery"      # inside the next repair, after the shrink
     CHECKPOINT = "checkpoint"  # rank 0, half-way through writing the checkpoint of STEP
     FINAL = "final"            # before the final consistency check (any STEP)
+    INTERCOMM = "intercomm"    # in the first join at or after STEP, right before MPI_Intercomm_create: bounded
     JOIN = "join"              # in the first join of a respawned process at or after STEP, before the merge
     MERGE = "merge"            # the same join, once the survivors agreed to merge: Open MPI 5.0.x never returns
     SPLIT = "split"            # the same join, once merged: before the split of the training communicator

@@ -44,11 +44,12 @@ class EpochAudit:
     finished: bool     # the surviving ranks closed this epoch
     before: int = 0    # committed before the checkpoint this run resumed from: counted as seen, not in these logs
     dropped: int = 0   # dropped by design (drop_last), not trained
+    replayed: int = 0  # trained again after an optimizer ahead of the job's step committed them (loader._replan)
 
     @property
     def exact(self) -> bool:
         """Finished, and every record trained once or dropped by design."""
-        return self.finished and self.duplicates == 0 and self.missing == 0
+        return self.finished and self.duplicates == 0 and self.missing == 0 and self.replayed == 0
 
 
 def latest_job(logs: dict[int, list[dict]]) -> dict[int, list[dict]]:
@@ -93,13 +94,26 @@ def audit_logs(logs: dict[int, list[dict]], count: int | None = None) -> list[Ep
     dropped: dict[int, set[int]] = defaultdict(set)
     for x in closings:
         dropped[x["epoch"]].update(_by_design(x))
+    replayed = _replayed(x for recs in logs.values() for x in select(recs, Event.RECOVERY))
     rows = []
     for e in sorted(set(seen) | {e for e, d in dropped.items() if d}):
         c, d = seen[e], dropped[e]
         twice = sum(c.values()) - len(c) + len(d & set(c))     # a dropped record trained counts as extra
         rows.append(EpochAudit(e, count, len(c) + before.get(e, 0), twice,
-                               count - len(set(c) | d) - before.get(e, 0), e in closed, before.get(e, 0), len(d)))
+                               count - len(set(c) | d) - before.get(e, 0), e in closed, before.get(e, 0), len(d),
+                               replayed.get(e, 0)))
     return rows
+
+
+def _replayed(recoveries: Iterable[dict]) -> dict[int, int]:
+    """Per epoch, the records a dead rank had in a step some optimizers had committed and the others not, trained
+    again (a recovery's `replayed_committed`, which every survivor logs: counted once per recovery)."""
+    once = {(x["step"], tuple(x["removed"]), x["replayed_committed"]["epoch"]): x["replayed_committed"]["records"]
+            for x in recoveries if x.get("replayed_committed")}
+    out: dict[int, int] = defaultdict(int)
+    for (_, _, epoch), n in once.items():
+        out[epoch] += n
+    return out
 
 
 def _by_design(closing: dict) -> Iterable[int]:
@@ -120,11 +134,14 @@ def audit_files(out_dir: str | Path) -> list[EpochAudit]:
     paths = sorted(Path(out_dir).glob("rank*.jsonl"))
     count, closed_by, ended, jobs = None, [], [], set()
     dropped: dict[int, set[int]] = defaultdict(set)
+    recoveries: list[dict] = []
     for path in paths:
         closed: set[int] = set()
         ends = False
         for x in _lines(path, (b'{"event": "start"', b'{"event": "resume"', b'{"event": "epoch"',
-                               b'{"event": "end"')):
+                               b'{"event": "end"', b'{"event": "recovery"')):
+            if x["event"] == Event.RECOVERY and x.get("replayed_committed"):
+                recoveries.append(x)
             if x["event"] == Event.RESUME:
                 raise ValueError(f"{path.name}: a resumed run; audit it with audit_logs")
             if x["event"] == Event.START:
@@ -144,12 +161,13 @@ def audit_files(out_dir: str | Path) -> list[EpochAudit]:
     closed = set().union(*(c for c, e in zip(closed_by, ended) if e or not any(ended)))
     rows: list[EpochAudit] = []
     seen: dict[int, Counter] = {}
+    replayed = _replayed(recoveries)
 
     def judge(below: float) -> None:
         for e in sorted(k for k in set(seen) | {k for k, d in dropped.items() if d} if k < below):
             c, d = seen.pop(e, Counter()), dropped.pop(e, set())
             rows.append(EpochAudit(e, count, len(c), sum(c.values()) - len(c) + len(d & set(c)),
-                                   count - len(set(c) | d), e in closed, 0, len(d)))
+                                   count - len(set(c) | d), e in closed, 0, len(d), replayed.get(e, 0)))
 
     merged = heapq.merge(*(_lines(p, (b'{"event": "audit"',)) for p in paths), key=lambda x: x["step"])
     for _, group in itertools.groupby(merged, key=lambda x: x["step"]):

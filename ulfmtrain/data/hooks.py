@@ -73,6 +73,13 @@ class SamplerHooks:
         """The committed steps (the optimizer's, or the job's)."""
         return self.steps.step_count if self.steps is not self.job else self.job.step
 
+    def ahead(self) -> list[str]:
+        """The names (and models) of the optimizers other than the one the sampler follows that committed a step
+        since the job's step advanced (several stepping in turn: a GAN's D before its G), with the batches of the
+        sampler's step in flight."""
+        return [repr(o.name) + (f" ({type(o.model).__name__})" if o.model is not None else "")
+                for o in self.job.committed_ahead() if o is not self._opt]
+
     @property
     def overlapped(self) -> bool:
         """Backward reduces the gradients (outside no_sync())."""

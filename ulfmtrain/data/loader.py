@@ -33,6 +33,7 @@ import numpy as np
 
 from ..core.modes import DataPolicy
 from ..core.refusal import refuse
+from ..transport import exits
 from .hooks import SamplerHooks
 from .plan import holdings_of, plan_recovery
 from .sampler import EpochSampler
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from ..transport.comm import Comm
 
 _live: weakref.WeakSet[ExactlyOnceSampler] = weakref.WeakSet()
+_judged = False
 
 
 class ExactlyOnceSampler:
@@ -88,7 +90,9 @@ class ExactlyOnceSampler:
         self.job = os.environ.get("PMIX_NAMESPACE") or uuid.uuid4().hex   # this run's lines in a log
         self.generation = 0                             # a new plan: older iterators stop
         self.items_read = 0                             # records this rank's DataLoader was given
-        self.replanned: list[dict[str, int]] = []       # per failure: records re-planned, and a full re-read's
+        self.replanned: list[dict[str, Any]] = []       # per failure: records re-planned, and a full re-read's
+        self.free_steps = 0                             # steps of an epoch of the first plan (the whole world)
+        self.replans = 0                                # failures that re-planned records (replicated)
         self._placeholder = list(range(min(batch_size if drop_last else min_size(batch_size), count)))
         self._pass: _Batches | None = None              # this rank's latest pass (its DataLoader's iterator)
         self._pass_backwards = 0                        # backward passes before it began
@@ -98,6 +102,7 @@ class ExactlyOnceSampler:
         self._told = False                              # this rank's loop calls set_epoch (or epochs())
         self._log = getattr(comm, "event_log", None) or None
         self._start(0)
+        self.free_steps = len(self.step_epoch)
         self.hooks.on_commit(self._committed)
         self.hooks.on_attempt(self._attempt)
         # A replacement's loads here.  Not put back after a skipped step (a GAN's D step, whose peers committed it
@@ -116,6 +121,7 @@ class ExactlyOnceSampler:
             # one runs before it (atexit runs the last registered first).
             atexit.unregister(_judge_at_exit)
             atexit.register(_judge_at_exit)
+        exits.at_script_end(_judge_at_exit)     # also at the script's own MPI.Finalize(), once
         _live.add(self)
 
     # -- epochs ---------------------------------------------------------------------
@@ -280,12 +286,22 @@ class ExactlyOnceSampler:
         lost: dict[int, list[np.ndarray]] = {}
         for i in range(self.done, len(self.step_epoch)):
             lost.setdefault(self.step_epoch[i], []).extend(m for d in dead for m in self.plan[d][i])
+        # Their batch of the step in flight went into the steps that optimizers ahead of the job committed (D's,
+        # of a GAN whose rank died before G's): trained again here, so twice by those if they train on it.  No
+        # replay could be exact for both: a replacement finishes the step instead (it skips D's).
+        ahead = self.hooks.ahead() if self.done < len(self.step_epoch) else []
+        again = sum(len(m) for d in dead for m in self.plan[d][self.done]) if ahead else 0
         for d in dead:
             del self.plan[d]
+        self.replans += 1
         self.queues.holdings = plan_recovery(self.queues.holdings, dead).holdings   # later epochs
         survivors = sorted(self.plan)
-        record = {"replanned": sum(len(m) for ms in lost.values() for m in ms),
+        record: dict[str, Any] = {"replanned": sum(len(m) for ms in lost.values() for m in ms),
                   "full_reread": sum(int(b - a) for s in survivors for a, b in self.queues.holdings[s])}
+        if again:
+            record["replayed_committed"] = {"epoch": self.step_epoch[self.done], "records": again,
+                                            "step": self.hooks.step, "optimizers": ahead}
+            self.books.replayed(record["replayed_committed"])
         self.replanned.append(record)
         event.extra.update(record)
         # Every rank has asked for the step after the one in flight at least, while there is one: its loop asks
@@ -320,16 +336,33 @@ class ExactlyOnceSampler:
         carried: dict[int, int] = {}
         for i, e in enumerate(self.carry_epoch):
             carried[e] = carried.get(e, 0) + sum(len(m) for steps in self.carry.values() for m in steps[i])
-        return self._pass_mismatch() or self.books.verdict(carried)
+        return self._pass_mismatch() or self.books.verdict(carried) or self._cut_short()
+
+    def _cut_short(self) -> str | None:
+        """The script ended inside an epoch that failures made longer (the dead ranks' records, fewer ranks), at a
+        step count where a failure-free run ends an epoch: its loop stopped on a count of steps fixed before them
+        (Hugging Face's `max_train_steps`), and the epoch's last records were never trained.  A count that ends
+        mid-epoch without failures too stops there on purpose: not judged."""
+        left, step = len(self.step_epoch) - self.done, self.hooks.step
+        if not self.replans or not left or not self.free_steps or step % self.free_steps:
+            return None
+        return (f"the script ended in epoch {self.epoch} with {left} of its steps untrained, after step {step}, "
+                f"where a failure-free run ends epoch {step // self.free_steps - 1}: failures made the epochs longer "
+                "(the dead ranks' records, fewer ranks) and the loop stopped on a step count fixed before them "
+                "(max_train_steps?); loop over the loader (`for epoch in sampler.epochs(0, E): for batch in "
+                "loader:`), or keep a spare (launch --spares 1)")
 
     # -- the replicated state -------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "done": self.done, "plan": self.plan, "step_epoch": self.step_epoch,
                 "carry": self.carry, "carry_epoch": self.carry_epoch, "queues": self.queues.state(),
-                "books": self.books.state(), "job": self.job}
+                "books": self.books.state(), "job": self.job, "free_steps": self.free_steps,
+                "replans": self.replans}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.epoch, self.done, self.job = state["epoch"], state["done"], state["job"]
+        self.free_steps = state.get("free_steps", self.free_steps)
+        self.replans = state.get("replans", self.replans)
         self.plan = {int(w): [[np.asarray(m, dtype=np.int64) for m in s] for s in ss]
                      for w, ss in state["plan"].items()}
         self.carry = {int(w): [[np.asarray(m, dtype=np.int64) for m in s] for s in ss]
@@ -375,8 +408,12 @@ class _Batches:
 
 
 def _judge_at_exit() -> None:
-    """The end of a script: each sampler's verdict (verdict.py says what ends the job and how)."""
+    """The end of a script: each sampler's verdict (verdict.py says what ends the job and how), once."""
     from .verdict import judge_at_exit
 
+    global _judged
+    if _judged:
+        return
+    _judged = True
     for sampler in list(_live):
         judge_at_exit(sampler)

@@ -5,7 +5,8 @@ A job that is not exactly-once per epoch ends with status 1 and one line: at onc
 phase with the plan (a refusal: every rank leaves with status 1, the lowest survivor prints the line), or at
 the end of the script (an exit step that runs before the exit protocol, and sets the status the ranks end
 with once they have left together).  An epoch the loop left unfinished on purpose (a step-count loop that
-stops mid-epoch) is not judged: nothing proves it wrong, and the `audit` command says it could not judge it.
+stops mid-epoch) is not judged: nothing proves it wrong, and the `audit` command says it could not judge it;
+one that failures made longer than the loop's count is (loader.py's _cut_short).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Books:
         self.count = count
         self.open_: dict[int, dict[str, Any]] = {}     # epoch -> seen (bool per record), twice, dropped ids
         self.closed: dict[int, dict[str, int]] = {}    # epoch -> trained, dropped, twice, missing
+        self.replayed_: list[dict[str, Any]] = []       # records trained again after an optimizer committed them
 
     def open(self, epoch: int, dropped: np.ndarray) -> None:
         self.open_[epoch] = {"seen": np.zeros(self.count, dtype=bool), "twice": 0, "dropped": [dropped]}
@@ -35,6 +37,11 @@ class Books:
         book = self.open_[epoch]
         book["twice"] += int(book["seen"][ids].sum()) + len(ids) - len(np.unique(ids))
         book["seen"][ids] = True
+
+    def replayed(self, rec: dict[str, Any]) -> None:
+        """A dead rank's batch of the step in flight, in the committed step of rec["optimizers"] (ahead of the job's
+        step) and trained again: twice by them if they train on it (an epoch, its records, the step)."""
+        self.replayed_.append(dict(rec))
 
     def drop(self, epoch: int, ids: np.ndarray) -> None:
         if len(ids) and epoch in self.open_:
@@ -60,6 +67,12 @@ class Books:
             if row["twice"] or row["missing"]:
                 return (f"epoch {e} trained {row['twice']} record(s) twice and left {row['missing']} of "
                         f"{self.count} untrained")
+        for r in self.replayed_:
+            names = " and ".join(r["optimizers"])
+            return (f"epoch {r['epoch']}: a rank died after {names} committed step {r['step']} and before the "
+                    f"job's other optimizers did, with no replacement: its {r['records']} records of that step are "
+                    f"trained again, twice by {names} if it trains on them; keep a spare (launch --spares 1): it "
+                    "finishes the step exactly")
         for e, n in sorted(carried.items()):
             return (f"epoch {e}: {n} records of ranks that died in its last step were never trained (the loop "
                     "had ended): loop with `for epoch in sampler.epochs(0, E)`, which trains them in one more pass")
@@ -68,13 +81,14 @@ class Books:
     def state(self) -> dict[str, Any]:
         return {"open": {e: {"seen": np.packbits(b["seen"]), "twice": b["twice"],
                              "dropped": np.concatenate(b["dropped"])} for e, b in self.open_.items()},
-                "closed": {e: dict(r) for e, r in self.closed.items()}}
+                "closed": {e: dict(r) for e, r in self.closed.items()}, "replayed": self.replayed_}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.open_ = {int(e): {"seen": np.unpackbits(b["seen"], count=self.count).astype(bool),
                                "twice": int(b["twice"]), "dropped": [np.asarray(b["dropped"], dtype=np.int64)]}
                       for e, b in state["open"].items()}
         self.closed = {int(e): dict(r) for e, r in state["closed"].items()}
+        self.replayed_ = [dict(r) for r in state.get("replayed", [])]
 
 
 def log_verdict(directory: str, job: str, slots: int) -> str | None:
@@ -89,9 +103,10 @@ def log_verdict(directory: str, job: str, slots: int) -> str | None:
     if len(mine) < slots:
         return None
     for row in audit_logs(mine):
-        if row.duplicates or (row.finished and row.missing):
+        if row.duplicates or row.replayed or (row.finished and row.missing):
+            again = f", {row.replayed} trained again after an optimizer committed them" if row.replayed else ""
             return (f"the event log in {directory} shows epoch {row.epoch} with {row.duplicates} record(s) "
-                    f"trained twice and {row.missing} missing (`python -m ulfmtrain audit {directory}`)")
+                    f"trained twice and {row.missing} missing{again} (`python -m ulfmtrain audit {directory}`)")
     return None
 
 

@@ -249,11 +249,19 @@ class RespawnComm(SpareComm):
         except MPI.Exception:
             ok = 0
         if agree_all_ok(self.world, bool(ok)):
+            faults.point(self.step, Phase.INTERCOMM)
+            # A member dead by now (after the agree: a second kill inside a repair) leaves the others inside
+            # MPI_Intercomm_create for good: Open MPI 5.0.x's context-id allocation retries its failed reduction,
+            # printing "NBC_Progress: an error 75" each time (a 1000-failure soak stalled so at its 437th): bounded
+            # as the merge is.
+            timer = _watchdog("joining a respawned process", _JOIN_FIX, why="a process died inside "
+                              "MPI_Intercomm_create, and Open MPI 5.0.x does not return from that")
             try:
                 # The leader's peer is its pool (the newcomer is rank 1 of it); elsewhere it is not read.
                 inter = self.world.Create_intercomm(lead, self.world if pool is None else pool, 1, TAG)
-            except MPI.Exception:   # returns an error when a member dies
+            except MPI.Exception:
                 ok = 0
+            timer.close()
         else:
             ok = 0
         faults.point(self.step, Phase.JOIN)

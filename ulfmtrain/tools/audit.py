@@ -2,9 +2,9 @@
 `ULFMTRAIN_EVENTS=DIR`), one row per epoch (data/audit.py counts).
 
 It judges only what the log shows: every epoch finished, every record trained once or dropped by design
-(drop_last) says "exactly-once" (status 0); a record trained twice, or one missing from a finished epoch
-(exactly-once policy), says why (status 1); an epoch the log shows unfinished is not judged, and the job is
-not called exactly-once (status 3).
+(drop_last) says "exactly-once" (status 0); a record trained twice, one missing from a finished epoch
+(exactly-once policy), or one trained again after an optimizer of the job had committed it, says why (status
+1); an epoch the log shows unfinished is not judged, and the job is not called exactly-once (status 3).
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def main(out_dir: str) -> int:
           + (f" {'dropped':>8}" if dropping else ""))
     for r in rows:
         tail = "" if r.finished else "  (not finished: not judged)"
+        if r.replayed:
+            tail += (f"  ({r.replayed} records trained again: an optimizer had committed them when their rank died "
+                     "before the job's other optimizers did)")
         if r.before and resume is not None:
             tail += f"  (resumed: {r.before} committed before the checkpoint of step {resume['step']}, counted as seen)"
         print(f"{r.epoch:>5} {r.records:>8} {r.seen:>8} {r.duplicates:>10} {r.missing:>8}"
@@ -46,8 +49,12 @@ def main(out_dir: str) -> int:
     repeated = [r.epoch for r in rows if r.duplicates]
     skipped = [r.epoch for r in rows if r.finished and r.missing]
     unfinished = [r.epoch for r in rows if not r.finished]
-    if repeated or (policy == DataPolicy.EXACTLY_ONCE and skipped):
+    again = [r.epoch for r in rows if r.replayed]
+    if repeated or again or (policy == DataPolicy.EXACTLY_ONCE and skipped):
         why = [f"epochs {repeated} trained a record twice"] if repeated else []
+        if again:
+            why.append(f"epochs {again} trained again records that an optimizer had committed (twice for it if it "
+                       "trains on them; a spare finishes such a step exactly)")
         if policy == DataPolicy.EXACTLY_ONCE and skipped:
             why.append(f"epochs {skipped} left records untrained")
         print(f"NOT {policy}: " + "; ".join(why))

@@ -39,6 +39,7 @@ class DistributedOptimizer(Protocol):
     name: str
     step_count: int
     optimizer: torch.optim.Optimizer
+    model: torch.nn.Module | None
 
     def _entry(self, live: bool = False) -> dict[str, Any]: ...
     def _load_entry(self, entry: dict[str, Any]) -> None: ...
@@ -199,6 +200,11 @@ class JobState:
     def step(self) -> int:
         """Committed steps of the optimizer that stepped least (0 before any)."""
         return min((o.step_count for o in self.optimizers), default=0)
+
+    def committed_ahead(self) -> list[DistributedOptimizer]:
+        """The optimizers that committed a step since the job's step last advanced (a GAN's D, between its step
+        and G's): replicated, a replacement receives it."""
+        return [o for o in self.optimizers if self._since.get(o.name)]
 
     def advancing(self, opt: DistributedOptimizer) -> bool:
         """Whether opt's next commit advances the job's step (it alone has the fewest steps)."""

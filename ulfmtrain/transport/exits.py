@@ -56,6 +56,7 @@ _at_leave: list[Callable[[], None]] = []   # what ends with a job that is done (
 _end_status: int | None = None    # the status the process ends with, whatever its program's (a failed end check)
 _leaving = threading.Lock()  # one thread leaves (the hang watch's, for a stuck main thread, or the main thread)
 _on_arm: list[Callable[[], object]] = []     # what starts with the exit protocol (the hang watch)
+_script_end: list[Callable[[], None]] = []   # what judges the program first at its end (a sampler's verdict)
 _before_leave: list[Callable[[], None]] = []   # what a program's end runs first (a script's end check, the spares)
 
 
@@ -95,6 +96,13 @@ def before_leave(fn: Callable[[], None]) -> None:
     _before_leave.append(fn)
 
 
+def at_script_end(fn: Callable[[], None]) -> None:
+    """Call `fn` first when the program ends (its last line, sys.exit, or its own MPI.Finalize()), before the
+    steps of before_leave; once."""
+    if fn not in _script_end:
+        _script_end.append(fn)
+
+
 def end_with(status: int) -> None:
     """At the end of the program: end with `status` once this rank has left the job with its peers (an end
     check that failed after the training completed everywhere).  Without the exit protocol armed (a world of
@@ -125,8 +133,29 @@ def arm_at_exit(timeout: float = 5.0) -> None:
         jobtree.note("started")
         # Python's atexit handlers run before mpi4py's own finalize hook, which then finds MPI finalized.
         atexit.register(finalize, timeout)
+        _hold_mpi_finalize(timeout)
         for fn in _on_arm:
             fn()
+
+
+class _ScriptFinalize:
+    """mpi4py's MPI.Finalize as a script calls it (optional there, and a habit): the end of this rank as at its
+    last line (the verdicts, the end check, leaving with the peers), then MPI_Finalize where this process ends
+    with it.  Before, MPI ended under them: the end check went unrun, and the job aborted (MPI_Comm_size after
+    MPI_FINALIZE) or said every rank had died by a signal."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def __call__(self) -> None:
+        finalize(self.timeout)
+
+
+def _hold_mpi_finalize(timeout: float) -> None:
+    from mpi4py import MPI
+
+    if not isinstance(MPI.Finalize, _ScriptFinalize):
+        setattr(MPI, "Finalize", _ScriptFinalize(timeout))  # noqa: B010  # mypy: a module's function
 
 
 def when_armed(fn: Callable[[], object]) -> None:
@@ -197,7 +226,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
               file=sys.stderr, flush=True)
     else:
         _previous_hook(exc_type, exc, tb)      # the traceback, once
-    if fault_tolerant():
+    if fault_tolerant() and not _left:      # (left: after the script's MPI.Finalize(), it ends with status 1)
         leave(failed=True)
 
 
@@ -222,6 +251,8 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
     """The end of a rank, explicit (FaultTolerantComm.finalize) or at interpreter exit (arm_at_exit): under ULFM,
     leave with the peers now (MPI stays initialized); then MPI_Finalize, bounded, where ends_with_mpi_finalize
     says so.  Returns exit_code."""
+    while _script_end:
+        _script_end.pop(0)()
     finalizes = ends_with_mpi_finalize()     # decided before leaving, which ends PMIx where it is False
     if fault_tolerant():
         at_exit()
@@ -327,7 +358,7 @@ def _agree(comm: Any, value: int, grace: float, bound: float) -> int | None:
 def die_after_failure() -> NoReturn:
     """For a caller that caught a failure itself and printed it (the fork server's child): leave as a failure,
     then end with status 1."""
-    if fault_tolerant():
+    if fault_tolerant() and not _left:
         leave(failed=True)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -192,7 +192,7 @@ class FaultInjector:
         kill = self._mine.get((step, phase))
         if phase == "final":      # there is one final check, whatever its step
             kill = next((k for (_, p), k in self._mine.items() if p == "final"), None)
-        elif phase in ("join", "merge", "split", "handover", "ready", "rebuild"):   # at steps no schedule knows
+        elif phase in ("intercomm", "join", "merge", "split", "handover", "ready", "rebuild"):   # at any step
             kill = next((k for (s, p), k in self._mine.items() if p == phase and step >= s), None)
         if kill is not None and pid is not None:
             del self._mine[(kill.step, kill.phase)]
