@@ -173,8 +173,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                            start_new_session=True, env=env)
+    return common.start_job(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
 
 
 def run_job(config: str, phase: str | None, args: argparse.Namespace, work: Path, data: dict[str, Path],

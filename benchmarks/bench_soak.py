@@ -237,7 +237,7 @@ def run_job(args: argparse.Namespace, data: Path, out: Path, epochs: int, failur
         return True
 
     with open(log, "wb") as console, open(samples_path, "a") as samples:
-        proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = common.start_job(cmd, stdout=console, stderr=subprocess.STDOUT)
         training_pids = TrainingPids(out)
         procs = Processes(proc.pid)
         # Kills start once every slot trains (start-up is not what this measures).

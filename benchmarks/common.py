@@ -77,6 +77,16 @@ class Launch:
     log: Path
 
 
+def start_job(cmd: list[str], **popen: Any) -> subprocess.Popen:
+    """Start a job (mpirun, a launcher) in a session of its own, so that stopping it reaches every process it
+    started and nothing else; it gets SIGTERM when this driver dies, even by SIGKILL (a driver killed by hand
+    left a 1000-failure soak's job running: mpirun then ends its ranks)."""
+    from ulfmtrain.transport.jobtree import die_with_parent
+
+    me = os.getpid()
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=lambda: die_with_parent(me), **popen)
+
+
 def run_mpi(cmd: list[str], timeout: float, log: Path, done: Callable[[], bool] | None = None,
             grace: float = 20.0, env: dict[str, str] | None = None) -> Launch:
     """Run mpirun until it exits, the timeout passes, or `done()` has held for `grace` seconds.
@@ -88,9 +98,7 @@ def run_mpi(cmd: list[str], timeout: float, log: Path, done: Callable[[], bool] 
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "wb") as out:
-        # Own session, so stopping it reaches mpirun and every rank it started, and nothing else.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **env} if env else None)
+        proc = start_job(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env} if env else None)
         done_since: float | None = None
         rc = None
         while True:

@@ -427,3 +427,39 @@ def test_soak_fits_its_episodes_into_the_job_when_its_pace_says_they_would_not_f
     assert 6.0 < short < 6.6
     assert (1000 / 1.1 + 2) * short + 15 == pytest.approx(40_000 * 0.15)
     assert fit(9.0, 40_000, 0.15, 0, 1.1) == 9.0 and fit(9.0, 10, 0.15, 1000, 1.1) == 1.0
+
+
+def test_a_job_a_bench_driver_started_ends_when_the_driver_is_sigkilled(tmp_path):
+    """A 1000-failure soak's driver killed by hand left its job running (mpirun in a session of its own, so that
+    stopping it reaches its ranks): every job a driver starts now gets SIGTERM when the driver dies."""
+    import signal
+    import time
+
+    pidfile = tmp_path / "pid"
+    driver = (f"import sys, time; sys.path.insert(0, {str(BENCH)!r}); import common; "
+              f"p = common.start_job(['sleep', '300']); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+              "time.sleep(300)")
+    d = subprocess.Popen([sys.executable, "-c", driver])
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline and d.poll() is None, "the driver did not start its job"
+        time.sleep(0.05)
+    job = int(pidfile.read_text())
+
+    def running() -> bool:
+        try:
+            with open(f"/proc/{job}/stat") as f:
+                return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+
+    assert running()
+    os.kill(d.pid, signal.SIGKILL)
+    d.wait()
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = not running()
+    if not gone:
+        os.kill(job, signal.SIGKILL)
+    assert gone, "the job outlived its driver"
