@@ -108,6 +108,26 @@ def test_accumulation_the_sampler_was_not_told_of_ends_the_job_with_one_line(mpi
     assert len(results(tmp_path)) == 3             # the script ran to its end on every rank: the end judged it
 
 
+@pytest.mark.timeout(2 * BOUND_S)
+@pytest.mark.parametrize("skip", ["1@5", "0@0"], ids=["slot-1-mid-epoch", "slot-0-first-batch"])
+def test_a_batch_one_rank_leaves_without_its_step_ends_the_job_with_one_line(mpi, tmp_path, skip):
+    """One rank's loss is not finite and its loop skips the batch (`continue` before opt.step()), one step a
+    batch: from there it trains the batch after the one the plan books for each step.  Before, nothing saw it
+    (the tags matched, the sampler counts what it hands to the DataLoader's prefetch), the rank's loader ran dry
+    a step early and the job ended 0 with a record never trained and one trained twice.  Now the next step's tag
+    carries how far each loop is past the plan: status 1 on every rank, one line naming the slot, before that
+    step commits.  Also where the skip is the first batch of all (a lead from the start, as a loop that takes
+    the next batch before stepping has on every rank)."""
+    slot = int(skip.split("@")[0])
+    proc = run(mpi, "hf_accumulate.py", tmp_path, *HF, "--k", "1", "--metric", "none", "--skip", skip)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("ulfmtrain: error:")]
+    others = ", ".join(str(s) for s in range(3) if s != slot)
+    assert len(lines) == 1 and f"slot {slot} took 1 more batch(es) from the loader than slots {others}" in lines[0], \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not results(tmp_path), proc.stderr[-3000:]
+
+
 @pytest.mark.timeout(3 * BOUND_S)
 def test_the_samplers_verdict_runs_at_the_scripts_own_mpi_finalize_once(mpi, tmp_path):
     """`MPI.Finalize()` at the end of a script (mpi4py imported after ulfmtrain): the sampler's verdict and the

@@ -39,6 +39,9 @@ p.add_argument("--finalize", action="store_true", help="MPI.Finalize() at the en
 p.add_argument("--cap", action="store_true",
                help="Hugging Face's max_train_steps = epochs x ceil(len(loader) / k), fixed at the start: the loop "
                     "breaks once that many steps completed")
+p.add_argument("--skip", default="", metavar="SLOT@I",
+               help="slot SLOT's loss is not finite at micro-batch I of the first epoch, and the loop skips the "
+                    "batch (`if not torch.isfinite(loss): continue`), with no step for it")
 args = p.parse_args()
 
 comm = ulfmtrain.connect()
@@ -67,6 +70,7 @@ autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 el
 norms, accuracy = [], []
 max_train_steps = args.epochs * math.ceil(len(loader) / args.k)
 completed_steps = 0
+skip_slot, skip_at = map(int, args.skip.split("@")) if args.skip else (-1, -1)
 
 
 def evaluate():
@@ -88,6 +92,10 @@ def train_epoch():
         with quiet:
             with autocast():
                 loss = F.cross_entropy(model(xb), yb) / args.k
+            if comm.world_rank == skip_slot and i == skip_at and not accuracy:
+                loss = loss * float("nan")
+            if args.skip and not torch.isfinite(loss):
+                continue
             loss.backward()
         if last:
             if not args.overlap:

@@ -5,7 +5,8 @@ MODE `resume`: the loop starts at the committed step (`range(comm.step, STEPS)`)
 tracked counter (`state = comm.track(global_step=0)`), so a replacement resumes both.  MODE `restart`: the
 habit of a script written for one process, `range(STEPS)` and a plain `global_step`; a replacement starts them
 over.  A last argument `finalize`: mpi4py imported first and `MPI.Finalize()` at the end, then a line printed
-(an mpi4py script's habit); `finalize-raise`: mpi4py imported after ulfmtrain, and an exception after it.
+(an mpi4py script's habit); `finalize-raise`: mpi4py imported after ulfmtrain, and an exception after it;
+`hook-raises`: the script's own sys.excepthook, set before ulfmtrain is imported, fails.
 Each slot's batch is a function of (slot, step).  DIE = SLOT@STEP: that slot SIGKILLs itself at STEP
 (rank 0 included); DIE = SLOT@nudge: after the loop that slot changes a weight by hand, a bug that nothing
 reduces; kills of $ULFMTRAIN_KILL fire too.  Each training rank that ends writes OUT/rank<slot>.json.
@@ -17,6 +18,10 @@ import sys
 
 if sys.argv[-1] == "finalize":
     from mpi4py import MPI  # before ulfmtrain, as an mpi4py script does
+if sys.argv[-1] == "hook-raises":
+    def broken_hook(*exc_info):
+        raise OSError("the script's log is gone")
+    sys.excepthook = broken_hook
 import torch
 import torch.nn.functional as F
 

@@ -26,14 +26,28 @@ def test_the_tag_sum_tells_equal_transactions_from_different_ones():
     assert phase.decode(phase.tag(phase.COLLECTIVE, 3, 123456)) == (phase.COLLECTIVE, 3, 123456)
 
 
+def test_the_leads_of_the_ranks_that_tell_one_must_be_equal_and_a_mismatch_names_the_odd_slot():
+    step = (phase.STEP, 0, 9)
+    assert phase.agreed(tags((*step,), (*step,)), 2)                    # no rank tells a lead
+    told = sum(phase.tag(*step, lead=lead) for lead in (1, None, 1))
+    assert phase.agreed(told, 3)                                         # equal where told (a loop one ahead)
+    odd = sum(phase.tag(*step, lead=lead) for lead in (0, 1, 0, None))
+    assert not phase.agreed(odd, 4)
+    assert phase.lead_of(phase.tag(*step, lead=-2)) == -2 and phase.lead_of(phase.tag(*step)) is None
+    line = phase.report([(0, *step, 0), (1, *step, 1), (2, *step, 0), (3, *step, None)], lambda i: "opt")
+    assert "in opt.step() of step 9: slot 1 took 1 more batch(es) from the loader than slots 0, 2" in line, line
+    # A mismatch elsewhere is told as before, whatever the leads.
+    assert "out of phase" in phase.report([(0, *step, 0), (1, phase.STEP, 0, 10, 1)], lambda i: "opt")
+
+
 def test_a_rank_that_ends_early_leaves_and_a_majority_that_ended_stops_the_job():
-    stepping, ended = (phase.STEP, 0, 7), (phase.END, 0, 7)
+    stepping, ended = (phase.STEP, 0, 7, None), (phase.END, 0, 7, None)
     three = [(0, *stepping), (1, *ended), (2, *stepping)]
     assert isinstance(phase.left_early(three, ended), phase.LeftEarly)         # sys.exit() on one rank of three
     assert isinstance(phase.left_early(three, stepping), phase.PeerLeft)
     restarted = [(0, *ended), (1, *stepping), (2, *ended)]                      # a replacement still stepping
     assert phase.left_early(restarted, ended) is None and phase.left_early(restarted, stepping) is None
-    mixed = [(0, *ended), (1, phase.STEP, 0, 7), (2, phase.STEP, 1, 7), (3, *stepping)]
+    mixed = [(0, *ended), (1, phase.STEP, 0, 7, None), (2, phase.STEP, 1, 7, None), (3, *stepping)]
     assert phase.left_early(mixed, ended) is None                               # the others disagree too
 
 

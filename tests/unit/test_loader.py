@@ -308,3 +308,31 @@ def test_too_few_records_for_the_micro_batches_of_a_step_is_one_line(capsys):
     with pytest.raises(Refused):
         rank(0, [0, 1, 2], 7, 4, accumulate=4)
     assert "fewer than the accumulate=4 micro-batches" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_attempt_tells_how_many_batches_the_loop_took_past_the_plan(workers):
+    """The lead each step's tag carries (phase.py): what the loop took from the DataLoader, not what the sampler
+    handed its prefetching workers; a batch left without its step shows as one more from there on."""
+    r = rank(0, [0], 40, 4, workers=workers)
+    it = iter(r.loader)
+    leads = []
+    for step in range(4):
+        next(it)
+        if step == 2:
+            next(it)                   # a batch the loop leaves without its step (`continue`)
+        for fn in r.opt.attempt_hooks:
+            fn(step, 0)
+        leads.append(r.s.hooks.job.take_lead())
+        r.s.hooks.backwards += 1
+        r.opt.commit()
+    assert r.s._handed > 5 if workers else r.s._handed == 5       # the workers' prefetch ran ahead
+    assert leads == [0, 0, 1, 1]
+
+
+def test_a_loader_that_hands_batches_out_of_order_is_refused(capsys):
+    r = rank(0, [0], 40, 4)
+    loader = torch.utils.data.DataLoader(list(range(40)), batch_sampler=r.s, num_workers=1, in_order=False)
+    with pytest.raises(Refused):
+        next(iter(loader))
+    assert "in_order=False" in capsys.readouterr().err

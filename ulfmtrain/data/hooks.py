@@ -68,6 +68,10 @@ class SamplerHooks:
         """This rank's samples in the next step: its weight in the gradient mean."""
         self.steps._expect_samples(samples)
 
+    def lead(self, batches: int) -> None:
+        """The batches this rank's loop took past the plan's step in flight, for the attempt's tag (phase.py)."""
+        self.job.lead = batches
+
     @property
     def step(self) -> int:
         """The committed steps (the optimizer's, or the job's)."""

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -38,6 +39,7 @@ from .hooks import SamplerHooks
 from .plan import holdings_of, plan_recovery
 from .sampler import EpochSampler
 from .steps import Step, is_placeholder, min_size, pad, placeholder_step, plan_epoch, share
+from .taken import out_of_order, taken_by
 from .verdict import Books
 
 if TYPE_CHECKING:
@@ -193,7 +195,14 @@ class ExactlyOnceSampler:
                                  f"epochs follows the job's epoch {self.epoch}; loop with `for epoch in "
                                  "sampler.epochs(0, E)` (it starts a replacement at the job's epoch)")
             self._start(self.epoch + 1)          # a loop without set_epoch: the next epoch (carried steps first)
-        self._pass = _Batches(self)
+        caller = sys._getframe(1)                # DataLoader's iterator: it counts the batches the loop took
+        exits.quiet_torch_sigchld()              # (set by now where it has workers)
+        if out_of_order(caller):
+            return _refusing("DataLoader(..., in_order=False) hands batches to the loop out of the plan's order, so "
+                             "that a failure's survivors cannot tell which were trained: leave in_order at True",
+                             speak=self.comm.rank == 0)
+        self._pass = batches = _Batches(self)
+        batches.taken = taken_by(caller, lambda: batches.at - batches.start)
         self.hooks.count_backwards()
         self._pass_backwards, self._per_step = self.hooks.backwards, None
         return self._pass
@@ -232,6 +241,11 @@ class ExactlyOnceSampler:
     def _attempt(self, step: int, attempt: int) -> None:
         if self.done >= len(self.step_epoch) or self.comm.world_rank not in self.plan:
             return
+        it = self._pass
+        if it is not None and it.taken is not None and it.generation == self.generation:
+            taken = it.taken()
+            if taken is not None:   # the same on every rank that tells, unless a loop left a batch unstepped
+                self.hooks.lead(it.start + taken - (self.done + 1) * self.k)
         if self.hooks.overlapped and self.k > 1 and self._checked != step:
             self._checked = step
             quiet = self.hooks.quiet_backwards()
@@ -375,10 +389,10 @@ class ExactlyOnceSampler:
         self._expect()
 
 
-def _refusing(line: str) -> Iterator[list[int]]:
+def _refusing(line: str, speak: bool = True) -> Iterator[list[int]]:
     """Refuse at the first batch asked for, not in iter(): DataLoader's iterator is made by then, so it shuts its
     workers down (refused in iter(), its half-made iterator printed an AttributeError from __del__)."""
-    refuse(line, speak=True)
+    refuse(line, speak=speak)
     yield from ()
 
 
@@ -390,6 +404,7 @@ class _Batches:
     def __init__(self, sampler: ExactlyOnceSampler) -> None:
         self.s, self.generation = sampler, sampler.generation
         self.start = self.at = sampler.done * sampler.k
+        self.taken: Callable[[], int | None] | None = None      # how many of them the loop took (taken.py)
 
     def __iter__(self) -> _Batches:
         return self

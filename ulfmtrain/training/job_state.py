@@ -111,6 +111,7 @@ class JobState:
         # Where a replacement can come (a SpareComm), the survivors keep the RNG state as each step began.
         self.rng = JobRng(keep=hasattr(comm, "handover"))
         self.samples: int | None = None           # this rank's samples in each step (the sampler says)
+        self.lead: int | None = None              # batches its loop took past the step in flight (the sampler)
         self.problem: str | None = None           # a replacement that cannot take the state: why (phase check)
         self.stopped = False                      # the phase check ended the job
         self.in_flight: tuple[int, str] = (0, "")   # the kind and optimizer of the transaction this rank is in
@@ -213,6 +214,7 @@ class JobState:
 
     def attempt(self, opt: DistributedOptimizer, attempt: int) -> None:
         """Before this rank's first contribution to an attempt of opt's step: the sampler's audit line."""
+        self.lead = None            # (one an attempt set and never sent is not this one's: a caught error)
         if self.advancing(opt):
             for fn in self._attempt_hooks:
                 fn(opt.step_count, attempt)
@@ -239,6 +241,11 @@ class JobState:
 
     def _expect_samples(self, samples: int | None) -> None:
         self.samples = samples
+
+    def take_lead(self) -> int | None:
+        """The lead the sampler's attempt hook set for the attempt being tagged, once (phase.py)."""
+        lead, self.lead = self.lead, None
+        return lead
 
     # -- a replacement catching up ------------------------------------------------------
     def skip(self, opt: DistributedOptimizer) -> bool:

@@ -100,13 +100,14 @@ class ScriptCollectives:
     def _name_of(self, index: int) -> str:
         return self.job.name_of(index) if self.job is not None else f"optimizer {index}"
 
-    def _tags(self, mine: np.ndarray) -> list[tuple[int, int, int, int]] | None:
-        """Every rank's (slot, kind, index, step), once a mismatch is found; None on every rank if the reduction
-        failed on any (agreed: a rank whose reduction returned may leave at once, LeftEarly, and one whose part
-        was still in flight then meets an error; alone it stopped the job while its peers went on)."""
+    def _tags(self, mine: np.ndarray) -> list[phase.Tag] | None:
+        """Every rank's (slot, kind, index, step, lead), once a mismatch is found; None on every rank if the
+        reduction failed on any (agreed: a rank whose reduction returned may leave at once, LeftEarly, and one whose
+        part was still in flight then meets an error; alone it stopped the job while its peers went on)."""
         n, r = self.comm.Get_size(), self.comm.Get_rank()
-        send, recv = np.zeros(4 * n), np.zeros(4 * n)
-        send[4 * r:4 * r + 4] = (self.world_rank, *phase.decode(mine))
+        send, recv = np.zeros(6 * n), np.zeros(6 * n)
+        lead = phase.lead_of(mine)
+        send[6 * r:6 * r + 6] = (self.world_rank, *phase.decode(mine), lead is not None, lead or 0)
         try:
             self.reduce_try(send, recv, MPI.SUM)
             ok = True
@@ -114,7 +115,8 @@ class ScriptCollectives:
             ok = False
         if not agree_all_ok(self.comm, ok):
             return None
-        return [tuple(int(x) for x in recv[4 * i:4 * i + 4]) for i in range(n)]  # type: ignore[misc]
+        rows = [[int(x) for x in recv[6 * i:6 * i + 6]] for i in range(n)]
+        return [(s, kind, index, step, ahead if told else None) for s, kind, index, step, told, ahead in rows]
 
     def _replaying(self, kind: int) -> bool:
         """A replacement that has not yet reached the transaction the survivors are in (job_state.py)."""

@@ -206,6 +206,33 @@ def _ignore(signum: int, frame: Any) -> None:
     pass
 
 
+def quiet_torch_sigchld() -> None:
+    """Keep torch's SIGCHLD handler (set by a DataLoader with workers; main thread) from raising once the program is
+    ending by an exception: after a worker died it raised at every SIGCHLD, and one that came as the exception hook
+    began cut the hook short (no traceback, and the rank ended as if its program had: out of phase)."""
+    handler = signal.getsignal(signal.SIGCHLD)
+    code = getattr(handler, "__code__", None)
+    if code is None or not code.co_filename.endswith(_TORCH_SIGCHLD) or \
+            threading.current_thread() is not threading.main_thread():
+        return
+
+    def unless_ending(signum: int, frame: Any) -> None:
+        if not _left and not _ended_by_exception():
+            handler(signum, frame)      # type: ignore[operator,misc]  # (a function: its __code__ says so)
+    signal.signal(signal.SIGCHLD, unless_ending)
+
+
+def _ended_by_exception() -> bool:
+    """An exception reached the program's top level: Python set sys.last_traceback before it called the hook, and
+    it holds __main__'s module code (a library's PyErr_Print of a callback's error sets it too, without that)."""
+    tb = getattr(sys, "last_traceback", None)
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "<module>" and tb.tb_frame.f_globals.get("__name__") == "__main__":
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _unraisable(u: Any) -> None:
     """An exception nothing can catch (raised inside a __del__ or a finalizer) goes to Python's hook, but for one
     of torch's SIGCHLD handler raising again for a DataLoader worker's death: it lands in whatever __del__ runs
@@ -251,6 +278,10 @@ def finalize(timeout: float = 5.0, exit_code: int = 0) -> int:
     """The end of a rank, explicit (FaultTolerantComm.finalize) or at interpreter exit (arm_at_exit): under ULFM,
     leave with the peers now (MPI stays initialized); then MPI_Finalize, bounded, where ends_with_mpi_finalize
     says so.  Returns exit_code."""
+    if not _left and _ended_by_exception() and fault_tolerant():
+        # The program ended by an exception whose hook did not finish (the script's own hook failed, or a signal
+        # handler raised as it began; Python printed both): a failure, not the end of the program.
+        leave(failed=True)
     while _script_end:
         _script_end.pop(0)()
     finalizes = ends_with_mpi_finalize()     # decided before leaving, which ends PMIx where it is False
