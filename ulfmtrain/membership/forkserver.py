@@ -150,10 +150,21 @@ def _become(request: dict, fds: list[int], server: int) -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code
-    except BaseException:
-        # As Python ends on an uncaught exception: the hook (exits.py's in a rank: the traceback or the SIGTERM
-        # line, once, then the exit protocol, which dies by SIGKILL unless every member is leaving).
-        sys.excepthook(*sys.exc_info())
+    except BaseException as exc:
+        # As Python ends on an uncaught exception: sys.last_* set, then the hook (exits.py's in a rank: the
+        # traceback or the SIGTERM line, once, then the exit protocol, which dies by SIGKILL unless every member
+        # is leaving).  A hook that fails prints its error and the original, and the rank leaves as failed at
+        # exit (exits.finalize reads sys.last_traceback); before, nothing was printed and it ended as if its
+        # program had (torch's SIGCHLD storm, or a script's own hook: "out of phase" in a job of two).
+        etype, tb = type(exc), exc.__traceback__
+        sys.last_type, sys.last_value, sys.last_traceback = etype, exc, tb
+        try:
+            sys.excepthook(etype, exc, tb)
+        except BaseException as failed:
+            print("Error in sys.excepthook:", file=sys.stderr)
+            sys.__excepthook__(type(failed), failed, failed.__traceback__)
+            print("\nOriginal exception was:", file=sys.stderr)
+            sys.__excepthook__(etype, exc, tb)
     finally:
         try:
             atexit._run_exitfuncs()   # the bounded MPI_Finalize among them
