@@ -36,3 +36,7 @@ cdef extern from "lifecycle.h" nogil:
 
     int ftc_init_bounded(double timeout_s, int *provided)
     int ftc_finalize(double timeout_s, int hang_exit_code)
+
+cdef extern from "revoke_guard.h" nogil:
+    int ftc_guard_revoke()
+    int ftc_guard_selftest()

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Bind the C fault path (csrc/ftcoll.c) to mpi4py communicators, and the bounded
-MPI_Init / MPI_Finalize (csrc/lifecycle.c)."""
+"""Bind the C fault path (csrc/ftcoll.c) to mpi4py communicators, the bounded
+MPI_Init / MPI_Finalize (csrc/lifecycle.c) and the guard around Open MPI's revoke (csrc/revoke_guard.c)."""
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release,
                              PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE)
 from libc.string cimport memset
@@ -195,3 +195,15 @@ def finalize(double timeout, int exit_code):
     if rc == FTC_ENOTHREAD:
         raise RuntimeError("could not start the MPI_Finalize watchdog thread; MPI was not finalized")
     return rc
+
+
+def guard_revoke():
+    """Guard Open MPI's revoke of a communicator still being built (csrc/revoke_guard.h): 1 in place, 0 where
+    it does not apply (another build), -1 when it could not be put in place."""
+    return ftc_guard_revoke()
+
+
+def guard_selftest():
+    """Revoke a communicator whose collectives are not selected yet, as a failure reported during a split does:
+    1 when it was revoked (MPI initialized); without the guard, Open MPI crashes."""
+    return ftc_guard_selftest()

@@ -81,12 +81,13 @@ def init(timeout: float | None = None) -> int:
     _check_timeout("MPI_Init", timeout)
     from mpi4py import MPI
 
+    from .. import _ftcoll
+
+    guard_revoke()
     if MPI.Is_finalized():
         raise RuntimeError("MPI was finalized already; it cannot be initialized again")
     if MPI.Is_initialized():
         return MPI.Query_thread()
-    from .. import _ftcoll
-
     sys.stdout.flush()
     sys.stderr.flush()
     provided = _ftcoll.init_bounded(float(timeout))
@@ -105,6 +106,16 @@ def _set_errhandlers(MPI: Any) -> None:
         MPI.COMM_WORLD.Set_errhandler(handler)
 
 
+def guard_revoke() -> None:
+    """Guard Open MPI's revoke of a communicator still being built, which crashed a rank that learned of a death
+    during a split (csrc/revoke_guard.h).  ULFMTRAIN_REVOKE_GUARD=0 leaves Open MPI's own (to show what it
+    guards); mpi4py.MPI is imported by then."""
+    if os.environ.get("ULFMTRAIN_REVOKE_GUARD") != "0":
+        from .. import _ftcoll
+
+        _ftcoll.guard_revoke()
+
+
 def start_at_import() -> bool:
     """Under mpirun, before anything imports mpi4py.MPI: bounded MPI_Init now; True when it ran (the caller then
     arms the bounded end, exits.arm_at_exit).
@@ -113,7 +124,10 @@ def start_at_import() -> bool:
     when the program imported mpi4py.MPI first or set mpi4py.rc itself: then
     MPI's start-up is the program's, and mpi4py's rules apply.
     """
-    if not under_mpirun() or "mpi4py.MPI" in sys.modules:
+    if not under_mpirun():
+        return False
+    if "mpi4py.MPI" in sys.modules:
+        guard_revoke()              # MPI is the program's; the guard is every rank's
         return False
     import mpi4py
 
