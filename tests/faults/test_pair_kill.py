@@ -48,8 +48,12 @@ def run_pair(out: Path, schedule: str, seed: int) -> dict:
     cmd = [sys.executable, "-m", "ulfmtrain", "launch", *args, "--", "python", str(SCRIPT), str(out), str(RECORDS)]
     for tries in (1, 2):
         out.mkdir()
+        # Every rank from scratch (not forked warm by the suite's fork server): the kills, 0-1 s after every pid
+        # file, then fall from start-up to the first steps, as designed.  Warm, they fell in training, where the
+        # spare's successor refills the world and a newcomer writes its files under its spawn job's rank.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "ULFMTRAIN_EVENTS": str(out), "OMP_NUM_THREADS": "1"})
+                                env={**os.environ, "ULFMTRAIN_EVENTS": str(out), "OMP_NUM_THREADS": "1",
+                                     "ULFMTRAIN_FORKSERVER": "0"})
         t0 = time.monotonic()
         while not all((out / f"pid{r}").exists() for r in range(4)) and proc.poll() is None \
                 and time.monotonic() - t0 < BOUND_S / 2:
