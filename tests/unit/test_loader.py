@@ -323,7 +323,7 @@ def test_each_attempt_tells_how_many_batches_the_loop_took_past_the_plan(workers
             next(it)                   # a batch the loop leaves without its step (`continue`)
         for fn in r.opt.attempt_hooks:
             fn(step, 0)
-        leads.append(r.s.hooks.job.take_lead())
+        leads.append(r.s.hooks.job.lead)
         r.s.hooks.backwards += 1
         r.opt.commit()
     assert r.s._handed > 5 if workers else r.s._handed == 5       # the workers' prefetch ran ahead

@@ -39,7 +39,7 @@ from .hooks import SamplerHooks
 from .plan import holdings_of, plan_recovery
 from .sampler import EpochSampler
 from .steps import Step, is_placeholder, min_size, pad, placeholder_step, plan_epoch, share
-from .taken import out_of_order, taken_by
+from .taken import loader_iterator, out_of_order, taken_by
 from .verdict import Books
 
 if TYPE_CHECKING:
@@ -195,14 +195,14 @@ class ExactlyOnceSampler:
                                  f"epochs follows the job's epoch {self.epoch}; loop with `for epoch in "
                                  "sampler.epochs(0, E)` (it starts a replacement at the job's epoch)")
             self._start(self.epoch + 1)          # a loop without set_epoch: the next epoch (carried steps first)
-        caller = sys._getframe(1)                # DataLoader's iterator: it counts the batches the loop took
+        owner = loader_iterator(sys._getframe(1))   # DataLoader's iterator: it counts the batches the loop took
         exits.quiet_torch_sigchld()              # (set by now where it has workers)
-        if out_of_order(caller):
+        if out_of_order(owner):
             return _refusing("DataLoader(..., in_order=False) hands batches to the loop out of the plan's order, so "
                              "that a failure's survivors cannot tell which were trained: leave in_order at True",
                              speak=self.comm.rank == 0)
         self._pass = batches = _Batches(self)
-        batches.taken = taken_by(caller, lambda: batches.at - batches.start)
+        batches.taken = taken_by(owner, lambda: batches.at - batches.start)
         self.hooks.count_backwards()
         self._pass_backwards, self._per_step = self.hooks.backwards, None
         return self._pass

@@ -17,7 +17,7 @@ from types import FrameType
 from typing import Any
 
 
-def _loader_iterator(frame: FrameType | None) -> Any:
+def loader_iterator(frame: FrameType | None) -> Any:
     """torch's DataLoader iterator whose method made this frame's call, or None (the sampler iterated otherwise)."""
     try:
         from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -27,11 +27,10 @@ def _loader_iterator(frame: FrameType | None) -> Any:
     return owner if isinstance(owner, _BaseDataLoaderIter) else None
 
 
-def taken_by(frame: FrameType | None, handed: Callable[[], int]) -> Callable[[], int | None] | None:
-    """The count of the pass's batches the loop has taken, where `frame` (iter(sampler)'s caller) is a DataLoader
-    iterator's; handed: the sampler's own count of the pass.  None elsewhere (a loop over the sampler itself, a
-    wrapper that may prefetch): nothing is told."""
-    owner = _loader_iterator(frame)
+def taken_by(owner: Any, handed: Callable[[], int]) -> Callable[[], int | None] | None:
+    """The count of the pass's batches the loop has taken, where `owner` (loader_iterator of iter(sampler)'s
+    caller) is a DataLoader iterator; handed: the sampler's own count of the pass.  None elsewhere (a loop over the
+    sampler itself, a wrapper that may prefetch): nothing is told."""
     if owner is None:
         return None
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -45,7 +44,6 @@ def taken_by(frame: FrameType | None, handed: Callable[[], int]) -> Callable[[],
     return taken
 
 
-def out_of_order(frame: FrameType | None) -> bool:
+def out_of_order(owner: Any) -> bool:
     """The DataLoader hands batches out as its workers finish them (in_order=False), not in the plan's order."""
-    owner = _loader_iterator(frame)
     return owner is not None and getattr(owner, "_in_order", True) is False

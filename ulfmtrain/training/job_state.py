@@ -214,7 +214,7 @@ class JobState:
 
     def attempt(self, opt: DistributedOptimizer, attempt: int) -> None:
         """Before this rank's first contribution to an attempt of opt's step: the sampler's audit line."""
-        self.lead = None            # (one an attempt set and never sent is not this one's: a caught error)
+        self.lead = None            # this attempt's alone (one set and never sent: a caught error)
         if self.advancing(opt):
             for fn in self._attempt_hooks:
                 fn(opt.step_count, attempt)
@@ -241,11 +241,6 @@ class JobState:
 
     def _expect_samples(self, samples: int | None) -> None:
         self.samples = samples
-
-    def take_lead(self) -> int | None:
-        """The lead the sampler's attempt hook set for the attempt being tagged, once (phase.py)."""
-        lead, self.lead = self.lead, None
-        return lead
 
     # -- a replacement catching up ------------------------------------------------------
     def skip(self, opt: DistributedOptimizer) -> bool:

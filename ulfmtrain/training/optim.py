@@ -288,7 +288,7 @@ class DistributedOptimizer(ClosureStep, ReplicatedState, torch.optim.Optimizer):
         """The attempt's first reduction: the tag (kind, this optimizer, its step) and this rank's samples."""
         send, recv = self._tag
         phase.tag(phase.STEP, self.index, self.step_count, weight=self._weight_sent,
-                  problem=self.job.problem is not None, lead=self.job.take_lead(), out=send)
+                  problem=self.job.problem is not None, lead=self.job.lead, out=send)
         check = getattr(self.comm, "check_phase", None)
         if check is not None:
             check(send, recv)

@@ -113,8 +113,7 @@ def report(tags: list[Tag] | None, name_of: Callable[[int], str]) -> str:
         groups: dict[str, list[int]] = {}
         for slot, kind, index, step, _ in tags:
             groups.setdefault(describe(kind, index, step, name_of), []).append(slot)
-        where = "; ".join(f"slot{'s' if len(s) > 1 else ''} {', '.join(map(str, sorted(s)))} in {w}"
-                          for w, s in sorted(groups.items(), key=lambda g: min(g[1])))
+        where = "; ".join(f"{_slots(s)} in {w}" for w, s in sorted(groups.items(), key=lambda g: min(g[1])))
     return (f"ulfmtrain: error: the ranks are out of phase ({where}): a replacement whose script restarted its own "
             f"counter, optimizers stepped in another order on some ranks, or a collective on some ranks only? "
             f"Fix: {FIX}")
@@ -130,16 +129,18 @@ def _report_leads(tags: list[Tag], name_of: Callable[[int], str]) -> str:
     # The lead of most slots; on a tie the smaller (a batch left without its step only adds to a loop's lead).
     usual = max(leads, key=lambda lead: (len(leads[lead]), -lead))
     odd = sorted((s, lead - usual) for lead, ss in leads.items() if lead != usual for s in ss)
-
-    def slots(ss: list[int]) -> str:
-        return f"slot{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))}"
     took = ", ".join(f"slot {s} took {abs(d)} {'more' if d > 0 else 'fewer'}" for s, d in odd)
     return (f"ulfmtrain: error: the ranks' loops are at different batches of the sampler's plan in "
             f"{describe(kind, index, step, name_of)}: {took} batch(es) from the loader than "
-            f"{slots(sorted(leads[usual]))} (a batch left without its step: `continue` before opt.step(), or a "
+            f"{_slots(leads[usual])} (a batch left without its step: `continue` before opt.step(), or a "
             f"loader error caught and passed over); the sampler would book batches that were never trained. "
             f"Fix: step on every batch the loop takes, once per `accumulate` of them (to leave a batch out, skip "
             f"its backward, not its step)")
+
+
+def _slots(slots: list[int]) -> str:
+    """'slot 2', 'slots 0, 1'."""
+    return f"slot{'s' if len(slots) > 1 else ''} {', '.join(map(str, sorted(slots)))}"
 
 
 def stop(line: str | None) -> PhaseError:
